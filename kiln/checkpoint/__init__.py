@@ -1,0 +1,39 @@
+"""From Hugging Face directories and GGUF files to Kiln checkpoints, and back from disk."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .gguf_file import find_gguf, read_gguf_config, read_gguf_weights
+from .hf import is_hf_dir, read_hf_config, read_hf_weights
+from .io import is_checkpoint_dir, load_checkpoint, load_checkpoint_config, save_checkpoint
+from .layout import check_weights, checkpoint_shapes
+
+__all__ = ["check_weights", "checkpoint_shapes", "find_gguf", "is_checkpoint_dir", "is_hf_dir", "load_checkpoint",
+           "load_checkpoint_config", "read_source_config", "read_source_weights", "save_checkpoint"]
+
+
+def read_source_config(path: str | Path, dtype: str = "auto"):
+    """PretrainedConfig of an HF directory or GGUF file; a clear error for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    gguf = find_gguf(path)
+    if gguf is not None and not (path.is_dir() and is_hf_dir(path)):
+        return read_gguf_config(gguf, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_config(path, dtype)
+    raise FileNotFoundError(f"{str(path)!r} is not a model: no config.json and no .gguf file in it")
+
+
+def read_source_weights(path: str | Path, config, progress=None):
+    """(tensors in the Kiln layout, tokenizer files) of an HF directory or GGUF file."""
+    from kiln.tokenizer import read_tokenizer_files, tokenizer_files_from_gguf
+
+    path = Path(path)
+    gguf = find_gguf(path)
+    if gguf is not None and not (path.is_dir() and is_hf_dir(path)):
+        weights, tokenizer = read_gguf_weights(gguf, config, progress), tokenizer_files_from_gguf(gguf)
+    else:
+        weights, tokenizer = read_hf_weights(path, config, progress), read_tokenizer_files(path)
+    check_weights(weights, config, str(path))
+    return weights, tokenizer

@@ -1,0 +1,126 @@
+"""GGUF files (llama.cpp) → PretrainedConfig and dequantised tensors in the Kiln checkpoint layout."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.config import PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_NAMES = [
+    (re.compile(r"token_embd\.weight"), "embed_tokens.weight"),
+    (re.compile(r"output_norm\.weight"), "norm.weight"),
+    (re.compile(r"output\.weight"), "lm_head.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_norm\.weight"), r"layers.\1.input_norm.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_norm\.weight"), r"layers.\1.post_attn_norm.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_q\.(weight|bias)"), r"layers.\1.attn.q_proj.\2"),
+    (re.compile(r"blk\.(\d+)\.attn_k\.(weight|bias)"), r"layers.\1.attn.k_proj.\2"),
+    (re.compile(r"blk\.(\d+)\.attn_v\.(weight|bias)"), r"layers.\1.attn.v_proj.\2"),
+    (re.compile(r"blk\.(\d+)\.attn_output\.(weight|bias)"), r"layers.\1.attn.o_proj.\2"),
+    (re.compile(r"blk\.(\d+)\.ffn_gate\.weight"), r"layers.\1.mlp.gate_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_up\.weight"), r"layers.\1.mlp.up_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_down\.weight"), r"layers.\1.mlp.down_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight"), r"layers.\1.moe.router.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_gate_exps\.weight"), r"layers.\1.moe.gate_proj"),
+    (re.compile(r"blk\.(\d+)\.ffn_up_exps\.weight"), r"layers.\1.moe.up_proj"),
+    (re.compile(r"blk\.(\d+)\.ffn_down_exps\.weight"), r"layers.\1.moe.down_proj"),
+]
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file at `path` (a file, or a directory holding exactly one); None when there is none."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(files) > 1:
+        raise ValueError(f"{str(path)!r} holds {len(files)} GGUF files; name one of them")
+    return files[0] if files else None
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as err:  # the reader raises ValueError/struct errors/IndexError on damaged files
+        raise ValueError(f"{path}: corrupt or truncated GGUF file ({err})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(path: Path, dtype: str = "auto") -> PretrainedConfig:
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; Kiln imports {', '.join(_ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; convert the HF model")
+    experts = _field(reader, f"{arch}.expert_count", 0) or 0
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return PretrainedConfig(
+        architecture="MixtralForCausalLM" if experts else _ARCHITECTURES[arch],
+        dtype="float32" if dtype == "auto" else dtype, vocab_size=vocab, hidden_size=hidden,
+        num_hidden_layers=_field(reader, f"{arch}.block_count"), num_attention_heads=heads,
+        num_key_value_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", None) or _field(reader, f"{arch}.rope.dimension_count", None) or hidden // heads,
+        intermediate_size=_field(reader, f"{arch}.expert_feed_forward_length", None) or _field(reader, f"{arch}.feed_forward_length"),
+        norm_epsilon=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rotary_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        moe_num_experts=experts, moe_top_k=_field(reader, f"{arch}.expert_used_count", 0) or 0)
+
+
+def _rope_scaling(reader, arch: str) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: linear")
+    return {"type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+
+
+def read_gguf_weights(path: Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor, rename it, and undo llama.cpp's q/k row permutation."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    permute_qk = _field(reader, "general.architecture") == "llama"
+    dtype = _DTYPES[config.dtype]
+    weights = {}
+    for t in (progress(reader.tensors, "Dequantising GGUF") if progress else reader.tensors):
+        name = _rename(t.name, path)
+        array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute(tensor, config.num_attention_heads)
+        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute(tensor, config.num_key_value_heads)
+        weights[name] = tensor.to(dtype)
+    return weights
+
+
+def _rename(name: str, path: Path) -> str:
+    for pattern, replacement in _NAMES:
+        if pattern.fullmatch(name):
+            return pattern.sub(replacement, name)
+    raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp interleaves the two rotary halves of each head's rows; restore HF's half-split order."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,166 @@
+"""Hugging Face model directories → PretrainedConfig and tensors in the Kiln checkpoint layout."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kiln.config import PretrainedConfig
+from kiln.config.pretrained import check_architecture
+
+# HF name (after removing a leading "model.") → Kiln checkpoint name.
+_NAME_RULES = [
+    (re.compile(r"embed_tokens\.weight"), "embed_tokens.weight"),
+    (re.compile(r"norm\.weight"), "norm.weight"),
+    (re.compile(r"lm_head\.weight"), "lm_head.weight"),
+    (re.compile(r"layers\.(\d+)\.self_attn\.([qkvo]_proj)\.(weight|bias)"), r"layers.\1.attn.\2.\3"),
+    (re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)"), r"layers.\1.mlp.\2.\3"),
+    (re.compile(r"layers\.(\d+)\.input_layernorm\.weight"), r"layers.\1.input_norm.weight"),
+    (re.compile(r"layers\.(\d+)\.post_attention_layernorm\.weight"), r"layers.\1.post_attn_norm.weight"),
+    (re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight"), r"layers.\1.moe.router.weight"),
+]
+_EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_hf_dir(path: Path) -> bool:
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "architectures" in raw or "model_type" in raw
+
+
+def read_hf_config(model_dir: str | Path, dtype: str = "auto") -> PretrainedConfig:
+    """Map an HF config.json (transformers 4 or 5 style) onto a PretrainedConfig."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read the model config: {err}") from None
+    architecture = (raw.get("architectures") or [None])[0]
+    check_architecture(architecture)
+    if dtype == "auto":
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    rotary_base, rope_scaling = _rope(raw, path)
+    fields: dict[str, Any] = dict(
+        architecture=architecture, dtype=dtype, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads"), head_dim=raw.get("head_dim"),
+        intermediate_size=raw["intermediate_size"], hidden_act=raw.get("hidden_act", "silu"),
+        norm_epsilon=raw.get("rms_norm_eps", 1e-6), rotary_base=rotary_base, rope_scaling=rope_scaling,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+    if architecture == "LlamaForCausalLM":
+        fields.update(attention_bias=bool(raw.get("attention_bias")), dense_bias=bool(raw.get("attention_bias")),
+                      mlp_bias=bool(raw.get("mlp_bias")))
+    elif architecture == "Qwen2ForCausalLM":
+        fields.update(attention_bias=True)
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{path}: Qwen2 use_sliding_window=true is not supported by Kiln")
+    else:  # Mistral, Mixtral
+        fields.update(sliding_window=raw.get("sliding_window"))
+    if architecture == "MixtralForCausalLM":
+        fields.update(moe_num_experts=raw["num_local_experts"], moe_top_k=raw["num_experts_per_tok"], moe_renorm_mode=1)
+    return PretrainedConfig(**fields)
+
+
+def _rope(raw: dict, path: Path) -> tuple[float, dict | None]:
+    params = dict(raw.get("rope_parameters") or {})   # transformers 5
+    scaling = raw.get("rope_scaling") or params          # transformers 4 keeps scaling separately
+    base = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return base, None
+    keep = {"linear": ["factor"],
+            "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]}
+    if kind not in keep:
+        raise ValueError(f"{path}: rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    return base, {"type": kind, **{k: scaling[k] for k in keep[kind] if k in scaling}}
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of an HF directory: safetensors preferred, sharded or not, else PyTorch .bin."""
+    model_dir = Path(model_dir)
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "*.bin")):
+        index = model_dir / index_name
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"{index}: corrupt shard index: {err}") from None
+            files = [model_dir / n for n in names]
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index} names shard {f.name!r}, which does not exist")
+            return files
+        files = sorted(p for p in model_dir.glob(pattern) if not p.name.startswith("training_args"))
+        if files:
+            return files
+    raise FileNotFoundError(f"no model weights (*.safetensors or *.bin) in {str(model_dir)!r}")
+
+
+def iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one weights file; a truncated or corrupt file is a ValueError naming it."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as err:
+            raise ValueError(f"{path}: corrupt or truncated safetensors file ({err})") from None
+    else:
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # torch raises several types for a damaged zip/pickle
+            raise ValueError(f"{path}: corrupt or truncated PyTorch weights file ({err})") from None
+        yield from state.items()
+
+
+def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory, renamed to the Kiln layout and cast to config.dtype."""
+    dtype = _DTYPES[config.dtype]
+    weights: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    files = weight_files(model_dir)
+    for path in (progress(files, "Loading weights") if progress else files):
+        for hf_name, tensor in iter_file_tensors(path):
+            name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+            if _IGNORED.fullmatch(name):
+                continue
+            if m := _EXPERT.fullmatch(name):
+                experts.setdefault((int(m[1]), _EXPERT_NAMES[m[3]]), {})[int(m[2])] = tensor.to(dtype)
+            elif m := _FUSED_EXPERTS.fullmatch(name):
+                weights.update(_split_fused_experts(int(m[1]), m[2], tensor.to(dtype)))
+            else:
+                weights[_rename(name, hf_name, path)] = tensor.to(dtype)
+    for (layer, kind), per_expert in experts.items():
+        weights[f"layers.{layer}.moe.{kind}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def _rename(name: str, hf_name: str, path: Path) -> str:
+    for pattern, replacement in _NAME_RULES:
+        if pattern.fullmatch(name):
+            return pattern.sub(replacement, name)
+    raise ValueError(f"{path}: unexpected tensor {hf_name!r} for this architecture")
+
+
+def _split_fused_experts(layer: int, kind: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    if kind == "down_proj":
+        return {f"layers.{layer}.moe.down_proj": tensor}
+    gate, up = tensor.chunk(2, dim=1)   # (E, 2I, H): gate rows first
+    return {f"layers.{layer}.moe.gate_proj": gate.contiguous(), f"layers.{layer}.moe.up_proj": up.contiguous()}

@@ -1,0 +1,67 @@
+"""Kiln checkpoints on disk: config.json + rank{N}.safetensors + tokenizer files, written atomically."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.config import PretrainedConfig
+from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
+from kiln.utils.fs import atomic_dir, require_dir
+from kiln.version import __version__
+
+CHECKPOINT_FORMAT = "kiln-checkpoint"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return _read_json(path / "config.json").get("kiln_format") == CHECKPOINT_FORMAT if (path / "config.json").is_file() else False
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable or corrupt JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights: dict[int, dict[str, torch.Tensor]],
+                    tokenizer_files: dict[str, bytes], config_only: bool = False) -> Path:
+    """Write a checkpoint; `rank_weights` maps each rank to its tensors. Nothing is left behind on failure."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out_dir) as tmp:
+        meta = {"kiln_format": CHECKPOINT_FORMAT, "kiln_version": __version__, **config.to_dict()}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if not config_only:
+            for rank, weights in rank_weights.items():
+                save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
+                          metadata={"format": "pt"})
+        write_tokenizer_files(tokenizer_files, tmp)
+    return Path(out_dir)
+
+
+def load_checkpoint_config(ckpt_dir: str | Path) -> PretrainedConfig:
+    ckpt_dir = require_dir(ckpt_dir, "checkpoint directory")
+    data = _read_json(ckpt_dir / "config.json")
+    if data.pop("kiln_format", None) != CHECKPOINT_FORMAT:
+        raise ValueError(f"{ckpt_dir}: not a Kiln checkpoint (config.json has no kiln_format={CHECKPOINT_FORMAT!r})")
+    data.pop("kiln_version", None)
+    return PretrainedConfig.from_dict(data)
+
+
+def load_checkpoint(ckpt_dir: str | Path, rank: int = 0) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(config, tensors of `rank`, tokenizer files) of a checkpoint directory."""
+    from kiln.checkpoint.hf import iter_file_tensors
+    from kiln.checkpoint.layout import check_weights
+
+    config = load_checkpoint_config(ckpt_dir)
+    path = Path(ckpt_dir) / f"rank{rank}.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: no weights file {path.name} (a config-only checkpoint?)")
+    weights = dict(iter_file_tensors(path))
+    check_weights(weights, config, str(path))
+    return config, weights, read_tokenizer_files(ckpt_dir)

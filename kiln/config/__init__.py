@@ -1,0 +1,11 @@
+"""Configuration dataclasses: what a model is, how it is converted and built. All validation lives here."""
+from .build import AutoParallelConfig, BuildConfig, LoraConfig, PluginConfig
+from .convert import ConvertConfig
+from .fields import field_docs
+from .mapping import Mapping
+from .pretrained import PretrainedConfig
+from .quant import QuantConfig
+from .yaml_file import BuildFile, ModelSection, load_build_file
+
+__all__ = ["AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "LoraConfig", "Mapping",
+           "ModelSection", "PluginConfig", "PretrainedConfig", "QuantConfig", "field_docs", "load_build_file"]

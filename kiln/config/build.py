@@ -1,0 +1,222 @@
+"""BuildConfig and its parts: every field of the seed's `build:` section, validated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .fields import from_dict, reject_unsupported, require, require_choice, require_positive, to_dict
+
+DTYPE_CHOICES = ("auto", "disable", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class PluginConfig:
+    """Kernel choices of the engine (named after trtllm-build's plugin flags)."""
+
+    gemm_plugin: str = "auto"
+    """GEMM precision: auto (the model's dtype), disable, or a dtype equal to the model's."""
+    gpt_attention_plugin: str = "auto"
+    """Attention precision: auto (the model's dtype), or a dtype equal to the model's."""
+    context_fmha: bool = True
+    """Fused attention for context (prompt) tokens; off uses the reference implementation everywhere."""
+    remove_input_padding: bool = True
+    """Pack the tokens of a batch without padding. Kiln always packs; False is rejected."""
+    paged_kv_cache: bool = True
+    """Keep the KV cache in fixed-size blocks. Kiln always pages its cache; False is rejected."""
+    tokens_per_block: int = 32
+    """Tokens per KV-cache block (a power of two)."""
+    use_paged_context_fmha: bool = False
+    """Context attention reads earlier tokens from the paged cache (needed by block reuse and chunked context)."""
+    multi_block_mode: bool = False
+    """Split long-context generation attention along the sequence (GPU kernel option)."""
+    use_custom_all_reduce: bool = False
+    """Custom all-reduce kernel for tensor parallelism."""
+    use_fp8_all_reduce: bool = False
+    """All-reduce in FP8."""
+    use_fp8_cast_plugin: bool = False
+    """FP8 cast kernel."""
+    use_async_malloc: bool = False
+    """Stream-ordered memory allocation."""
+    use_fp8_context_fmha: bool = False
+    """Context attention in FP8."""
+    lora_plugin: str | None = None
+    """LoRA kernel dtype; None disables LoRA."""
+
+    def __post_init__(self):
+        require_choice("PluginConfig", "gemm_plugin", self.gemm_plugin, DTYPE_CHOICES)
+        require_choice("PluginConfig", "gpt_attention_plugin", self.gpt_attention_plugin, DTYPE_CHOICES[:1] + DTYPE_CHOICES[2:])
+        require_positive("PluginConfig", tokens_per_block=self.tokens_per_block)
+        require(self.tokens_per_block & (self.tokens_per_block - 1) == 0,
+                f"PluginConfig.tokens_per_block={self.tokens_per_block} must be a power of two")
+        reject_unsupported(self, ["remove_input_padding", "paged_kv_cache"], "Kiln always uses packed, paged inputs")
+        reject_unsupported(self, ["multi_block_mode", "use_fp8_context_fmha", "use_fp8_cast_plugin"],
+                           "the GPU kernels are not implemented yet")
+        reject_unsupported(self, ["use_custom_all_reduce", "use_fp8_all_reduce"], "multi-GPU is not implemented yet")
+        reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
+        reject_unsupported(self, ["lora_plugin"], "LoRA is not implemented yet")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters compiled into the engine."""
+
+    lora_dir: list[str] = field(default_factory=list)
+    """Directories of LoRA checkpoints."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Modules that get LoRA adapters."""
+    lora_ckpt_source: str = "hf"
+    """Format of the LoRA checkpoints: hf or nemo."""
+    max_lora_rank: int = 64
+    """Largest adapter rank the engine accepts."""
+
+    def __post_init__(self):
+        require_choice("LoraConfig", "lora_ckpt_source", self.lora_ckpt_source, ("hf", "nemo"))
+        reject_unsupported(self, ["lora_dir", "lora_target_modules"], "LoRA is not implemented yet")
+
+
+@dataclass
+class AutoParallelConfig:
+    """Automatic choice of tensor/pipeline parallelism."""
+
+    enabled: bool = False
+    """Let the builder choose tp_size and pp_size."""
+    tp_size: int = 1
+    """Tensor parallelism to consider."""
+    pp_size: int = 1
+    """Pipeline parallelism to consider."""
+    max_memory_MB: int = 80000
+    """GPU memory per device available to the model."""
+    max_dram_memory_MB: int = 30000
+    """Host memory available per device."""
+    compile_max_memory_MB: int = 17000
+    """GPU memory available while building."""
+    compile_max_dram_memory_MB: int = 8000
+    """Host memory available while building."""
+    debug_mode: bool = False
+    """Print the reasoning of the search."""
+
+    def __post_init__(self):
+        reject_unsupported(self, ["enabled", "tp_size", "pp_size"], "multi-GPU is not implemented yet")
+
+
+@dataclass
+class BuildConfig:
+    """How an engine is built: its limits (batch, lengths, beams) and kernel choices."""
+
+    max_input_len: int = 256
+    """Longest prompt, in tokens."""
+    max_output_len: int | None = None
+    """Most tokens generated per request; None means max_seq_len - max_input_len (256 when both are None)."""
+    max_seq_len: int | None = None
+    """Longest prompt + output; None means max_input_len + max_output_len."""
+    max_batch_size: int = 8
+    """Most requests in flight at once."""
+    max_beam_width: int = 1
+    """Most beams a request may ask for."""
+    max_num_tokens: int | None = None
+    """Most tokens (prompt chunks + generated) processed in one step; None picks min(8192,
+    max_batch_size * max_input_len), at least max_input_len."""
+    opt_num_tokens: int | None = None
+    """Token count to optimise kernels for."""
+    max_prompt_embedding_table_size: int = 0
+    """Rows of the prompt-tuning embedding table; 0 disables prompt tuning."""
+    gather_context_logits: bool = False
+    """Return the logits of every prompt position."""
+    gather_generation_logits: bool = False
+    """Return the logits of every generated position."""
+    strongly_typed: bool = False
+    """Kept for trtllm-build compatibility: Kiln engines always keep the checkpoint's dtypes, so both values
+    build the same engine (a note is printed when it is False)."""
+    builder_opt: int | None = None
+    """Builder optimisation level."""
+    profiling_verbosity: str = "layer_names_only"
+    """Detail of --visualize_network: layer_names_only (names), detailed (names, shapes, dtypes) or none."""
+    enable_debug_output: bool = False
+    """Keep intermediate tensors for debugging."""
+    max_draft_len: int = 0
+    """Draft tokens per step for speculative decoding; 0 disables it."""
+    use_refit: bool = False
+    """Build an engine whose weights can be replaced in place."""
+    input_timing_cache: str | None = None
+    """Kernel tuning results to start from."""
+    output_timing_cache: str | None = None
+    """Where to write the kernel tuning results."""
+    lora_config: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings."""
+    auto_parallel_config: AutoParallelConfig = field(default_factory=AutoParallelConfig)
+    """Automatic parallelism settings."""
+    weight_sparsity: bool = False
+    """Use 2:4 structured sparse weights."""
+    plugin_config: PluginConfig = field(default_factory=PluginConfig)
+    """Kernel choices."""
+    max_encoder_input_len: int = 1024
+    """Longest encoder input (encoder-decoder models only)."""
+    use_fused_mlp: bool = False
+    """Kept for trtllm-build compatibility: Kiln always fuses the gate and up projections."""
+    dry_run: bool = False
+    """Validate everything and run every build step, but write nothing."""
+    visualize_network: bool = False
+    """Write the module graph as text (network.txt) next to the engine."""
+
+    def __post_init__(self):
+        self.lora_config = _as(LoraConfig, self.lora_config, "build.lora_config")
+        self.auto_parallel_config = _as(AutoParallelConfig, self.auto_parallel_config, "build.auto_parallel_config")
+        self.plugin_config = _as(PluginConfig, self.plugin_config, "build.plugin_config")
+        self._resolve_lengths()
+        self._validate()
+
+    def _resolve_lengths(self):
+        if self.max_seq_len is None:
+            self.max_seq_len = self.max_input_len + (256 if self.max_output_len is None else self.max_output_len)
+        if self.max_output_len is None:
+            self.max_output_len = self.max_seq_len - self.max_input_len
+        if self.max_num_tokens is None:
+            self.max_num_tokens = max(self.max_input_len, min(8192, self.max_batch_size * self.max_input_len))
+
+    def _validate(self):
+        owner = "BuildConfig"
+        require_positive(owner, max_input_len=self.max_input_len, max_output_len=self.max_output_len,
+                         max_seq_len=self.max_seq_len, max_batch_size=self.max_batch_size,
+                         max_beam_width=self.max_beam_width, max_num_tokens=self.max_num_tokens)
+        require(self.max_seq_len == self.max_input_len + self.max_output_len,
+                f"BuildConfig: max_seq_len={self.max_seq_len} must equal max_input_len={self.max_input_len} + "
+                f"max_output_len={self.max_output_len}; give only one of max_seq_len and max_output_len")
+        require(self.max_num_tokens >= self.max_input_len,
+                f"BuildConfig.max_num_tokens={self.max_num_tokens} must be at least max_input_len={self.max_input_len}")
+        require_choice(owner, "profiling_verbosity", self.profiling_verbosity, ("layer_names_only", "detailed", "none"))
+        require(self.max_beam_width == 1, "BuildConfig.max_beam_width > 1 is not supported by Kiln yet "
+                                          "(beam search is not implemented yet); leave it at 1")
+        reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
+        reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
+        reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
+        reject_unsupported(self, ["max_draft_len"], "speculative decoding is not implemented yet")
+        reject_unsupported(self, ["use_refit"], "refitting is not implemented yet")
+        reject_unsupported(self, ["input_timing_cache", "output_timing_cache"],
+                           "kernel tuning needs the GPU build, not implemented yet")
+        reject_unsupported(self, ["weight_sparsity"], "sparse weights are not implemented yet")
+        reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "build") -> "BuildConfig":
+        return from_dict(cls, data, where)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The fields that shape the engine (hashed into its manifest); run-time switches are left out."""
+        data = self.to_dict()
+        for name in ("dry_run", "visualize_network", "input_timing_cache", "output_timing_cache"):
+            data.pop(name)
+        return data
+
+
+def _as(cls, value, where: str):
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return from_dict(cls, value, where)
+    require(isinstance(value, cls), f"{where} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    return value
+
+

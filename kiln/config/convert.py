@@ -1,0 +1,129 @@
+"""ConvertConfig: the seed's `checkpoint:` section, i.e. the flags of `kiln convert`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fields import from_dict, reject_unsupported, require_positive
+from .pretrained import PretrainedConfig
+
+# ConvertConfig field → PretrainedConfig field it pins down.
+SHAPE_FIELDS = {
+    "vocab_size": "vocab_size", "n_positions": "max_position_embeddings", "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads", "n_embd": "hidden_size", "inter_size": "intermediate_size",
+    "n_kv_head": "num_key_value_heads", "rms_norm_eps": "norm_epsilon", "hidden_act": "hidden_act",
+    "rotary_base": "rotary_base", "moe_num_experts": "moe_num_experts", "moe_top_k": "moe_top_k",
+    "moe_renorm_mode": "moe_renorm_mode",
+}
+
+
+@dataclass
+class ConvertConfig:
+    """How a Hugging Face model becomes a Kiln checkpoint. The shape fields (vocab_size … moe_renorm_mode)
+    describe the model: with a model directory each one given must agree with the model's own config;
+    without one they define a random-weight model of that shape."""
+
+    tp_size: int = 1
+    """Tensor parallelism of the checkpoint."""
+    pp_size: int = 1
+    """Pipeline parallelism of the checkpoint."""
+    vocab_size: int | None = None
+    """Vocabulary size."""
+    n_positions: int | None = None
+    """Maximum number of positions (max_position_embeddings)."""
+    n_layer: int | None = None
+    """Number of decoder layers."""
+    n_head: int | None = None
+    """Number of attention heads."""
+    n_embd: int | None = None
+    """Hidden size."""
+    inter_size: int | None = None
+    """MLP intermediate size."""
+    n_kv_head: int | None = None
+    """Number of key/value heads."""
+    rms_norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    hidden_act: str | None = None
+    """MLP activation."""
+    rotary_base: float | None = None
+    """Rotary embedding base."""
+    moe_num_experts: int | None = None
+    """Experts per MoE layer."""
+    moe_top_k: int | None = None
+    """Experts per token."""
+    moe_renorm_mode: int | None = None
+    """1: renormalise the top-k routing weights."""
+    moe_tp_mode: int = 0
+    """How MoE experts are split across tensor-parallel ranks."""
+    meta_ckpt_dir: str | None = None
+    """A Meta (consolidated.*.pth) checkpoint directory."""
+    use_weight_only: bool = False
+    """Weight-only quantization."""
+    weight_only_precision: str = "int8"
+    """int8 or int4 for weight-only quantization."""
+    smoothquant: float | None = None
+    """SmoothQuant alpha."""
+    per_channel: bool = False
+    """Per-channel weight scales (SmoothQuant)."""
+    per_token: bool = False
+    """Per-token activation scales (SmoothQuant)."""
+    int8_kv_cache: bool = False
+    """INT8 KV cache."""
+    ammo_quant_ckpt_path: str | None = None
+    """A pre-quantized checkpoint (.npz)."""
+    per_group: bool = False
+    """Per-group INT4 (GPTQ/AWQ)."""
+    group_size: int = 128
+    """Group size of per-group quantization."""
+    dataset_cache_dir: str | None = None
+    """Calibration dataset cache."""
+    disable_weight_only_quant_plugin: bool = False
+    """Use the non-plugin weight-only path."""
+    load_by_shard: bool = False
+    """Stream a sharded HF checkpoint one shard at a time."""
+    load_model_on_cpu: bool = True
+    """Convert on the host (False, converting on the GPU, is not supported)."""
+    use_parallel_embedding: bool = False
+    """Split the embedding across tensor-parallel ranks."""
+    embedding_sharding_dim: int = 0
+    """Dimension the embedding is split along (0: vocab, 1: hidden)."""
+    use_embedding_sharing: bool = False
+    """Share the embedding and LM head weights across ranks."""
+    workers: int = 1
+    """Ranks converted in parallel."""
+    save_config_only: bool = False
+    """Write only config.json, no weights."""
+
+    def __post_init__(self):
+        require_positive("ConvertConfig", tp_size=self.tp_size, pp_size=self.pp_size, workers=self.workers,
+                         group_size=self.group_size)
+        reject_unsupported(self, ["tp_size", "pp_size", "use_parallel_embedding", "embedding_sharding_dim",
+                                  "use_embedding_sharing", "workers", "moe_tp_mode", "load_by_shard"],
+                           "multi-GPU sharding is not implemented yet")
+        reject_unsupported(self, ["use_weight_only", "smoothquant", "per_channel", "per_token", "int8_kv_cache",
+                                  "ammo_quant_ckpt_path", "per_group", "dataset_cache_dir",
+                                  "disable_weight_only_quant_plugin", "weight_only_precision", "group_size"],
+                           "quantization is not implemented yet")
+        reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
+        reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
+
+    def check_against(self, config: PretrainedConfig, source: str) -> None:
+        """Every shape field given here must agree with the model's own config."""
+        for src, dst in SHAPE_FIELDS.items():
+            given, actual = getattr(self, src), getattr(config, dst)
+            if given is not None and given != actual:
+                raise ValueError(f"checkpoint.{src}={given!r} disagrees with the model's {dst}={actual!r} "
+                                 f"({source}); correct it or remove the key")
+
+    def random_model_config(self, dtype: str) -> PretrainedConfig:
+        """The PretrainedConfig of a random-weight model described by the shape fields (no model_dir)."""
+        for src in ("vocab_size", "n_layer", "n_head", "n_embd", "inter_size"):
+            if getattr(self, src) is None:
+                raise ValueError(f"without a model directory, checkpoint.{src} is needed to describe the model")
+        values = {dst: getattr(self, src) for src, dst in SHAPE_FIELDS.items() if getattr(self, src) is not None}
+        architecture = "MixtralForCausalLM" if values.get("moe_num_experts") else "LlamaForCausalLM"
+        return PretrainedConfig(architecture=architecture, dtype="float32" if dtype == "auto" else dtype, **values)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "checkpoint") -> "ConvertConfig":
+        return from_dict(cls, data, where)

@@ -1,0 +1,24 @@
+"""The attention metadata of one step: how packed tokens map onto sequences and KV-cache slots."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Inputs are packed without padding: sequence b owns tokens query_start_loc[b] : query_start_loc[b+1]."""
+
+    slot_mapping: torch.Tensor      # (T,) int64: cache slot (block * tokens_per_block + offset) of each new token
+    query_start_loc: torch.Tensor   # (B + 1,) int64: offsets of each sequence's new tokens in the packed batch
+    seq_lens: torch.Tensor          # (B,) int64: tokens in each sequence after this step (cached + new)
+    block_tables: torch.Tensor      # (B, max_blocks) int64: KV-cache blocks of each sequence, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    tokens_per_block: int
+    scratch: dict = field(default_factory=dict)  # per-step values shared by all layers (built on first use)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

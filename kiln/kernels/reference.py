@@ -1,0 +1,97 @@
+"""Pure-torch kernels: the CPU path, and the oracle every fast kernel is tested against."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, scaled in the input dtype (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """Rotate q (T, H, D) and k (T, KH, D) by their positions; cos_sin is (P, D) = [cos | sin] halves."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v (T, KH, D) at their slots of kv_cache (2, num_blocks, tokens_per_block, KH, D)."""
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v
+
+
+def _gather_plan(meta: AttentionMetadata, sliding_window: int | None):
+    """Index tensors that turn the packed batch into a padded (B, Q, ·) query and (B, K, ·) cache view."""
+    key = ("reference", sliding_window)
+    if key in meta.scratch:
+        return meta.scratch[key]
+    device = meta.seq_lens.device
+    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]               # (B,)
+    i = torch.arange(meta.max_query_len, device=device)                         # (Q,)
+    j = torch.arange(meta.max_seq_len, device=device)                           # (K,)
+    blocks = meta.block_tables[:, (j // meta.tokens_per_block).clamp(max=meta.block_tables.shape[1] - 1)]
+    slots = blocks * meta.tokens_per_block + j % meta.tokens_per_block           # (B, K)
+    q_pos = (meta.seq_lens - q_lens)[:, None] + i                               # (B, Q)
+    mask = (j <= q_pos[:, :, None]) & (j < meta.seq_lens[:, None, None])        # (B, Q, K)
+    if sliding_window is not None:
+        mask &= j > q_pos[:, :, None] - sliding_window
+    q_valid = i < q_lens[:, None]                                               # (B, Q)
+    q_index = (meta.query_start_loc[:-1, None] + i).clamp(max=int(meta.query_start_loc[-1]) - 1)
+    meta.scratch[key] = plan = (slots, mask.unsqueeze(1), q_valid, q_index)
+    return plan
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries q (T, H, D) over each sequence's cached keys/values → (T, H, D).
+
+    The new tokens' k/v must already be written to the cache (write_kv)."""
+    slots, mask, q_valid, q_index = _gather_plan(meta, sliding_window)
+    heads, kv_heads = q.shape[1], kv_cache.shape[-2]
+    k = kv_cache[0].flatten(0, 1)[slots]                                        # (B, K, KH, D)
+    v = kv_cache[1].flatten(0, 1)[slots]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=2)                       # (B, K, H, D)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    qp = q[q_index]                                                             # (B, Q, H, D)
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)            # (B, H, Q, D)
+    return out.transpose(1, 2)[q_valid]                                         # (T, H, D)
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+        renormalize: bool) -> torch.Tensor:
+    """Mixture of experts: route each token (T, H) to top_k experts of gate_up (E, 2I, H), down (E, H, I)."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)                  # (T, E)
+    weights, experts = torch.topk(probs, top_k, dim=-1)                         # (T, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in experts.unique().tolist():
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        h = silu_and_mul(F.linear(x[token], gate_up[e]))
+        out.index_add_(0, token, F.linear(h, down[e]) * weights[token, slot, None])
+    return out

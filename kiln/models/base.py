@@ -1,0 +1,68 @@
+"""PretrainedModel: a model's config and checkpoint-layout weights, with the load/save entry points."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kiln.checkpoint import (check_weights, checkpoint_shapes, load_checkpoint, read_source_config,
+                             read_source_weights, save_checkpoint)
+from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
+from kiln.utils.steps import progress
+
+
+class PretrainedModel:
+    """A model ready to be saved as a checkpoint or built into an engine.
+
+    `weights` holds this rank's tensors in the checkpoint layout (kiln.checkpoint.layout);
+    `tokenizer_files` the tokenizer files that travel with checkpoints and engines."""
+
+    network_class: type = None  # the torch module that runs the engine layout
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
+                 tokenizer_files: dict[str, bytes] | None = None, source: str = "model"):
+        check_weights(weights, config, source)
+        self.config = config
+        self.weights = weights
+        self.tokenizer_files = dict(tokenizer_files or {})
+
+    @classmethod
+    def from_hugging_face(cls, model_dir: str | Path, dtype: str = "auto", mapping: Mapping | None = None,
+                          quant_config: QuantConfig | None = None, convert_config: ConvertConfig | None = None,
+                          quiet: bool = False):
+        """Load an HF model directory (safetensors or .bin, sharded or not) or a GGUF file (dequantised)."""
+        mapping, quant_config = mapping or Mapping(), quant_config or QuantConfig()
+        if mapping.world_size > 1:
+            raise ValueError(f"tensor/pipeline parallelism (tp_size={mapping.tp_size}, pp_size={mapping.pp_size}) "
+                             "is not supported by Kiln yet")
+        config = read_source_config(model_dir, dtype)
+        if convert_config is not None:
+            convert_config.check_against(config, str(model_dir))
+        weights, tokenizer_files = read_source_weights(
+            model_dir, config, lambda it, desc: progress(it, desc, quiet=quiet))
+        return cls(config, weights, tokenizer_files, source=str(model_dir))
+
+    from_pretrained = from_hugging_face
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0):
+        config, weights, tokenizer_files = load_checkpoint(ckpt_dir, rank)
+        return cls(config, weights, tokenizer_files, source=str(ckpt_dir))
+
+    @classmethod
+    def random(cls, config: PretrainedConfig, seed: int = 0, device: str | torch.device = "cpu", std: float = 0.02):
+        """Random weights of the right shapes (for benchmarks and tests): N(0, std) matrices, unit norms."""
+        generator = torch.Generator(device=device).manual_seed(seed)
+        dtype = getattr(torch, config.dtype)
+        weights = {}
+        for name, shape in checkpoint_shapes(config).items():
+            if name.endswith("norm.weight"):
+                weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            else:
+                weights[name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
+        return cls(config, weights, source="random weights")
+
+    def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False) -> Path:
+        """Write config.json + rank{N}.safetensors (+ tokenizer files); atomic."""
+        return save_checkpoint(out_dir, self.config, {self.config.mapping.rank: self.weights},
+                               self.tokenizer_files, config_only=save_config_only)

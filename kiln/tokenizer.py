@@ -1,0 +1,55 @@
+"""Tokenizer files travel with checkpoints and engines; transformers turns them into a tokenizer."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """The tokenizer-related files of a model directory, by name."""
+    directory = Path(directory)
+    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
+def write_tokenizer_files(files: dict[str, bytes], directory: str | Path) -> None:
+    for name, data in files.items():
+        (Path(directory) / name).write_bytes(data)
+
+
+def tokenizer_files_from_gguf(gguf_path: str | Path) -> dict[str, bytes]:
+    """Rebuild a Hugging Face tokenizer from a GGUF file's metadata and return its files."""
+    from transformers import AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return read_tokenizer_files(tmp)
+
+
+def load_tokenizer(files: dict[str, bytes]):
+    """A transformers tokenizer from in-memory tokenizer files; None when there are none."""
+    if not any(name.startswith("tokenizer") for name in files):
+        return None
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(files, tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def eos_token_ids(tokenizer, files: dict[str, bytes]) -> list[int]:
+    """End-of-sequence ids: generation_config.json's list when present, else the tokenizer's eos."""
+    import json
+
+    ids = []
+    if "generation_config.json" in files:
+        eos = json.loads(files["generation_config.json"]).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return ids
