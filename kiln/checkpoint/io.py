@@ -8,24 +8,15 @@ import torch
 
 from kiln.config import PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
-from kiln.utils.fs import atomic_dir, require_dir
+from kiln.utils.fs import atomic_dir, read_json_object, require_dir
 from kiln.version import __version__
 
 CHECKPOINT_FORMAT = "kiln-checkpoint"
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    return _read_json(path / "config.json").get("kiln_format") == CHECKPOINT_FORMAT if (path / "config.json").is_file() else False
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: unreadable or corrupt JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+    config = path / "config.json"
+    return config.is_file() and read_json_object(config, "checkpoint config").get("kiln_format") == CHECKPOINT_FORMAT
 
 
 def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights: dict[int, dict[str, torch.Tensor]],
@@ -46,7 +37,7 @@ def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights:
 
 def load_checkpoint_config(ckpt_dir: str | Path) -> PretrainedConfig:
     ckpt_dir = require_dir(ckpt_dir, "checkpoint directory")
-    data = _read_json(ckpt_dir / "config.json")
+    data = read_json_object(ckpt_dir / "config.json", "checkpoint config")
     if data.pop("kiln_format", None) != CHECKPOINT_FORMAT:
         raise ValueError(f"{ckpt_dir}: not a Kiln checkpoint (config.json has no kiln_format={CHECKPOINT_FORMAT!r})")
     data.pop("kiln_version", None)

@@ -124,7 +124,7 @@ class BuildConfig:
     """Return the logits of every prompt position."""
     gather_generation_logits: bool = False
     """Return the logits of every generated position."""
-    strongly_typed: bool = False
+    strongly_typed: bool = True
     """Kept for trtllm-build compatibility: Kiln engines always keep the checkpoint's dtypes, so both values
     build the same engine (a note is printed when it is False)."""
     builder_opt: int | None = None
@@ -151,8 +151,9 @@ class BuildConfig:
     """Kernel choices."""
     max_encoder_input_len: int = 1024
     """Longest encoder input (encoder-decoder models only)."""
-    use_fused_mlp: bool = False
-    """Kept for trtllm-build compatibility: Kiln always fuses the gate and up projections."""
+    use_fused_mlp: bool = True
+    """Kept for trtllm-build compatibility: Kiln always fuses the gate and up projections, so both values
+    build the same engine (a note is printed when it is False)."""
     dry_run: bool = False
     """Validate everything and run every build step, but write nothing."""
     visualize_network: bool = False
@@ -204,9 +205,10 @@ class BuildConfig:
         return from_dict(cls, data, where)
 
     def engine_fields(self) -> dict[str, Any]:
-        """The fields that shape the engine (hashed into its manifest); run-time switches are left out."""
+        """The fields that shape the engine (hashed into its manifest); switches without effect are left out."""
         data = self.to_dict()
-        for name in ("dry_run", "visualize_network", "input_timing_cache", "output_timing_cache"):
+        for name in ("dry_run", "visualize_network", "input_timing_cache", "output_timing_cache",
+                     "strongly_typed", "use_fused_mlp", "profiling_verbosity"):
             data.pop(name)
         return data
 

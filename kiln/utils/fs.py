@@ -36,3 +36,16 @@ def require_dir(path: str | Path, what: str) -> Path:
     if not path.is_dir():
         raise NotADirectoryError(f"{what} {str(path)!r} is not a directory")
     return path
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from `path`, or a ValueError naming the file and `what` it should be."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable or corrupt {what} ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {what} is not a JSON object")
+    return data

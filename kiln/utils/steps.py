@@ -24,7 +24,7 @@ class StepLog:
         self.say(f"{self.title} [{self.index}/{self.total}] {name}")
         t0 = time.perf_counter()
         yield
-        self.say(f"{self.title} [{self.index}/{self.total}] {name}: {time.perf_counter() - t0:.2f} s")
+        self.say(f"{self.title} [{self.index}/{self.total}] done in {time.perf_counter() - t0:.2f} s")
 
     def done(self) -> float:
         elapsed = time.perf_counter() - self.start

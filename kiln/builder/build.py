@@ -1,0 +1,52 @@
+"""build(model, BuildConfig) → Engine: validate, fuse into the runtime layout, check the network."""
+from __future__ import annotations
+
+from kiln.config import BuildConfig
+from kiln.models import PretrainedModel
+from kiln.utils.steps import StepLog
+
+from .engine import Engine
+
+
+def build(model: PretrainedModel, build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
+    """Turn a loaded model into an engine. Each step prints its name and time."""
+    build_config = build_config or BuildConfig()
+    log = StepLog("Build", 3, quiet)
+    with log.step("Validate the build config against the model"):
+        _validate(model, build_config, log)
+    with log.step("Fuse weights into the runtime layout (q/k/v, gate/up)"):
+        weights = model.engine_weights()
+    with log.step("Check the network against its weights"):
+        network = model.network_class.load(model.config, weights, build_config.max_seq_len, device="meta")
+        text = describe_network(network, build_config.profiling_verbosity) if build_config.visualize_network else None
+    log.done()
+    return Engine(model.config, build_config, {model.config.mapping.rank: weights}, model.tokenizer_files, text)
+
+
+def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -> None:
+    config = model.config
+    if build_config.max_seq_len > config.max_position_embeddings:
+        raise ValueError(f"BuildConfig.max_seq_len={build_config.max_seq_len} exceeds the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+    plugins = build_config.plugin_config
+    for name in ("gemm_plugin", "gpt_attention_plugin"):
+        value = getattr(plugins, name)
+        if value not in ("auto", "disable", config.dtype):
+            raise ValueError(f"PluginConfig.{name}={value!r} differs from the model dtype {config.dtype!r}; "
+                             "use auto or the model's dtype")
+    if build_config.visualize_network and build_config.profiling_verbosity == "none":
+        raise ValueError("BuildConfig.visualize_network needs profiling_verbosity layer_names_only or detailed")
+    if not build_config.strongly_typed:
+        log.say("note: strongly_typed=False has no effect: Kiln engines always keep the checkpoint's dtypes")
+    if not build_config.use_fused_mlp:
+        log.say("note: use_fused_mlp=False has no effect: Kiln always fuses the gate and up projections")
+
+
+def describe_network(network, verbosity: str) -> str:
+    """The module graph as text: the module tree, plus every parameter's shape and dtype when detailed."""
+    lines = [repr(network)]
+    if verbosity == "detailed":
+        lines.append("")
+        lines += [f"{name}\t{tuple(p.shape)}\t{str(p.dtype).removeprefix('torch.')}"
+                  for name, p in network.named_parameters()]
+    return "\n".join(lines) + "\n"

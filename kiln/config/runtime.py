@@ -1,0 +1,26 @@
+"""Run-time settings of an engine (not part of the engine itself)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import reject_unsupported, require, require_positive
+
+
+@dataclass
+class KvCacheConfig:
+    """How big the paged KV cache is and how blocks are shared."""
+
+    max_tokens: int | None = None
+    """Most tokens the cache holds (over all requests); None sizes it from memory and the engine's limits."""
+    free_gpu_memory_fraction: float = 0.9
+    """On a GPU: share of the memory free after loading the weights that the cache may take."""
+    host_cache_bytes: int = 2 << 30
+    """On the CPU: bytes the cache may take."""
+    enable_block_reuse: bool = False
+    """Share cached blocks between requests with a common prefix."""
+
+    def __post_init__(self):
+        require_positive("KvCacheConfig", max_tokens=self.max_tokens, host_cache_bytes=self.host_cache_bytes)
+        require(0 < self.free_gpu_memory_fraction <= 1,
+                f"KvCacheConfig.free_gpu_memory_fraction={self.free_gpu_memory_fraction} must be in (0, 1]")
+        reject_unsupported(self, ["enable_block_reuse"], "block reuse is not implemented yet")
