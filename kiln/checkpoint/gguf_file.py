@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp) → PretrainedConfig and dequantised tensors in the Kiln checkpoint layout."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
+@functools.lru_cache(maxsize=2)
 def _reader(path: Path):
+    """Parsing the metadata takes seconds (the vocabulary), so config and weights share one reader."""
     from gguf import GGUFReader
 
     try:
@@ -103,8 +106,8 @@ def read_gguf_weights(path: Path, config: PretrainedConfig, progress=None) -> di
     weights = {}
     for t in (progress(reader.tensors, "Dequantising GGUF") if progress else reader.tensors):
         name = _rename(t.name, path)
-        array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(tuple(int(d) for d in reversed(t.shape)))
+        array = dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(t.shape)))
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute(tensor, config.num_attention_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -1,0 +1,208 @@
+"""`kiln convert | build | run | demo` (and `kiln-build`, which takes trtllm-build's flags)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kiln.config import BuildConfig, ConvertConfig, LoraConfig, PluginConfig
+
+from .args import add_dataclass_args, parse_bool, pick
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _convert_parser(sub) -> None:
+    p = sub.add_parser("convert", help="Hugging Face model (dir or GGUF) → Kiln checkpoint")
+    p.add_argument("--model_dir", help="HF model directory or GGUF file; omitted: a random-weight model "
+                                       "of the shape given by --vocab_size, --n_layer, ...")
+    p.add_argument("--output_dir", required=True, help="checkpoint directory to write")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto: the model's own)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a random-weight model")
+    p.set_defaults(fields=add_dataclass_args(p, ConvertConfig), handler=cmd_convert)
+
+
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint_dir", help="Kiln checkpoint directory")
+    src.add_argument("--model_dir", help="HF model directory or GGUF file (converted on the fly)")
+    src.add_argument("--config", help="one YAML file with model:, checkpoint: and build: sections")
+    p.add_argument("--output_dir", help="engine directory to write")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="with --model_dir: weight dtype")
+    p.add_argument("--gather_all_token_logits", nargs="?", const=True, type=parse_bool, default=False,
+                   help="same as --gather_context_logits --gather_generation_logits")
+    p.add_argument("--workers", type=int, default=1, help="parallel build workers (only 1 is supported)")
+    p.add_argument("--auto_parallel", type=int, default=1, help="world size for automatic parallelism (only 1)")
+    p.add_argument("--log_level", default="info", choices=("verbose", "info", "warning", "error", "internal_error"),
+                   help="verbosity: warning and above print no build steps")
+    p.set_defaults(build_fields=add_dataclass_args(p, BuildConfig), plugin_fields=add_dataclass_args(p, PluginConfig),
+                   lora_fields=add_dataclass_args(p, LoraConfig), handler=cmd_build)
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="generate text with an engine (or any model Kiln can load)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="Kiln engine directory")
+    src.add_argument("--model_dir", help="HF directory, GGUF file or Kiln checkpoint (built on the fly)")
+    _generation_args(p)
+    p.add_argument("prompt", nargs="+", help="one or more prompts")
+    p.set_defaults(handler=cmd_run)
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top_k", type=int)
+    p.add_argument("--top_p", type=float)
+    p.add_argument("--seed", type=int, help="random seed for sampling")
+    p.add_argument("--no_chat_template", action="store_true", help="send the prompt as raw text")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="import the embedded SmolLM2-135M-Instruct, convert, build, and chat")
+    p.add_argument("--work_dir", help="where the checkpoint and engine go (default: a temporary directory)")
+    _generation_args(p)
+    p.add_argument("prompt", nargs="*", default=["What is the capital of France? Answer in one sentence."])
+    p.set_defaults(handler=cmd_demo)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _convert_parser(sub)
+    add_build_args(sub.add_parser("build", help="Kiln checkpoint (or HF model, or YAML) → engine"))
+    _run_parser(sub)
+    _demo_parser(sub)
+    return p
+
+
+def cmd_convert(args) -> None:
+    from kiln.models import LlamaForCausalLM
+
+    convert = ConvertConfig(**pick(args, args.fields))
+    if args.model_dir:
+        model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, convert_config=convert)
+    else:
+        model = LlamaForCausalLM.random(convert.random_model_config(args.dtype), seed=args.seed)
+    model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only)
+    print(f"checkpoint written to {args.output_dir}")
+
+
+def build_config_from_args(args) -> BuildConfig:
+    for name, value, only in (("--workers", args.workers, 1), ("--auto_parallel", args.auto_parallel, 1)):
+        if value != only:
+            raise ValueError(f"{name}={value} is not supported by Kiln yet (multi-GPU is not implemented yet)")
+    fields = pick(args, args.build_fields)
+    if args.gather_all_token_logits:
+        fields.update(gather_context_logits=True, gather_generation_logits=True)
+    return BuildConfig(**fields, plugin_config=PluginConfig(**pick(args, args.plugin_fields)),
+                       lora_config=LoraConfig(**pick(args, args.lora_fields)))
+
+
+def cmd_build(args) -> None:
+    from kiln.builder import build
+    from kiln.models import LlamaForCausalLM
+
+    quiet = args.log_level in ("warning", "error", "internal_error")
+    if args.config:
+        model, build_config, output_dir = _from_build_file(args)
+    else:
+        build_config, output_dir = build_config_from_args(args), args.output_dir
+        if args.checkpoint_dir:
+            model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir)
+        else:
+            model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
+    if not output_dir and not build_config.dry_run:
+        raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
+    engine = build(model, build_config, quiet=quiet)
+    if engine.save(output_dir) is not None:
+        print(f"engine written to {output_dir} (hash {engine.hash[:16]})")
+
+
+def _from_build_file(args):
+    from kiln.config import load_build_file
+    from kiln.models import LlamaForCausalLM
+
+    given = list(pick(args, args.build_fields + args.plugin_fields + args.lora_fields))
+    given += [f"--{n}" for n, default in (("output_dir", None), ("dtype", "auto"), ("gather_all_token_logits", False))
+              if getattr(args, n) != default]
+    if given:
+        raise ValueError(f"--config takes every setting from the YAML file; remove {given[0]}")
+    spec = load_build_file(args.config)
+    if spec.model.model_dir:
+        model = LlamaForCausalLM.from_hugging_face(spec.model.model_dir, spec.model.dtype, convert_config=spec.checkpoint)
+    else:
+        model = LlamaForCausalLM.random(spec.checkpoint.random_model_config(spec.model.dtype))
+    return model, spec.build, spec.model.output_dir
+
+
+def _sampling(args):
+    from kiln import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, random_seed=args.seed)
+
+
+def _chat(llm, args) -> None:
+    use_template = not args.no_chat_template and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
+    prompts = []
+    for text in args.prompt:
+        if use_template:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+            prompts.append(llm.apply_chat_template(messages))
+        else:
+            prompts.append(text)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, _sampling(args))
+    elapsed = time.perf_counter() - t0
+    for text, out in zip(args.prompt, outputs):
+        print(f"> {text}\n{out.text.strip()}\n")
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_run(args) -> None:
+    from kiln import LLM
+
+    _chat(LLM(args.engine_dir or args.model_dir, device=args.device), args)
+
+
+def cmd_demo(args) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from kiln import LLM, BuildConfig, build
+    from kiln.models import LlamaForCausalLM
+    from kiln.utils.default_model import default_model_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        gguf = default_model_path()
+        print(f"1. import {gguf.name} (embedded default model)", file=sys.stderr)
+        LlamaForCausalLM.from_hugging_face(gguf).save_checkpoint(work / "checkpoint")
+        print(f"2. convert → {work / 'checkpoint'}; build the engine", file=sys.stderr)
+        model = LlamaForCausalLM.from_checkpoint(work / "checkpoint")
+        build(model, BuildConfig(max_batch_size=8, max_input_len=1024, max_seq_len=2048)).save(work / "engine")
+        print(f"3. run the engine {work / 'engine'}", file=sys.stderr)
+        _chat(LLM(work / "engine", device=args.device), args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"kiln {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_main(argv: list[str] | None = None) -> int:
+    """`kiln-build`: trtllm-build's interface."""
+    return main(["build", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
