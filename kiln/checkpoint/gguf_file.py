@@ -43,13 +43,18 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-@functools.lru_cache(maxsize=2)
 def _reader(path: Path):
     """Parsing the metadata takes seconds (the vocabulary), so config and weights share one reader."""
+    stat = path.stat()
+    return _cached_reader(str(path.absolute()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except Exception as err:  # the reader raises ValueError/struct errors/IndexError on damaged files
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({err})") from None
 

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random Hugging Face models (built from configs, no downloads) with a small byte-level
+tokenizer, and the transformers reference they are checked against."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+VOCAB = 320  # 256 bytes + specials + unused rows, as real vocabularies have
+
+
+def _common(**extra):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=256,
+                eos_token_id=257, pad_token_id=257, initializer_range=0.05)
+    base.update(extra)
+    return base
+
+
+def tiny_hf_configs():
+    """name → transformers config of each architecture Kiln supports, with the features worth covering."""
+    import transformers as tf
+
+    return {
+        "llama": tf.LlamaConfig(**_common()),
+        "llama31_bias_tied": tf.LlamaConfig(**_common(
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+        "mistral": tf.MistralConfig(**_common(sliding_window=24, num_key_value_heads=1)),
+        "qwen2": tf.Qwen2Config(**_common(tie_word_embeddings=True, num_key_value_heads=4)),
+        "mixtral": tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2)),
+    }
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer without merges (every byte is a token) plus <s>, </s> and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_model(name: str, path, seed: int = 0):
+    import transformers as tf
+
+    config = tiny_hf_configs()[name]
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name → (hf_dir, transformers model) for every tiny architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: (root / name, save_tiny_model(name, root / name)) for name in tiny_hf_configs()}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers greedy decoding, never stopping early."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.no_grad()
+def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([prompt_ids])).logits[0].float()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
