@@ -40,7 +40,8 @@ def load_build_file(path: str | Path) -> BuildFile:
         raise ValueError(f"{path}: not valid YAML: {err}") from None
     require(isinstance(data, dict), f"{path}: expected a mapping with model:, checkpoint: and build: sections")
     unknown = sorted(set(data) - {"model", "checkpoint", "build"})
-    require(not unknown, f"{path}: unknown section {unknown[0]!r}; known sections: build, checkpoint, model")
+    if unknown:
+        raise ValueError(f"{path}: unknown section {unknown[0]!r}; known sections: build, checkpoint, model")
     return BuildFile(model=from_dict(ModelSection, data.get("model"), f"{path}: model"),
                      checkpoint=from_dict(ConvertConfig, data.get("checkpoint"), f"{path}: checkpoint"),
                      build=from_dict(BuildConfig, data.get("build"), f"{path}: build"))
