@@ -20,10 +20,12 @@ def write_tokenizer_files(files: dict[str, bytes], directory: str | Path) -> Non
         (Path(directory) / name).write_bytes(data)
 
 
-def tokenizer_files_from_gguf(gguf_path: str | Path) -> dict[str, bytes]:
-    """Rebuild a Hugging Face tokenizer from a GGUF file's metadata and return its files."""
+def tokenizer_files_from_gguf(gguf_path: str | Path, has_tokenizer: bool = True) -> dict[str, bytes]:
+    """Rebuild a Hugging Face tokenizer from a GGUF file's metadata and return its files ({} if it has none)."""
     from transformers import AutoTokenizer
 
+    if not has_tokenizer:
+        return {}
     gguf_path = Path(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     with tempfile.TemporaryDirectory() as tmp:

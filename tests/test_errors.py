@@ -39,8 +39,9 @@ def test_directory_without_weights(tiny_models, tmp_path):
     shutil.copy(tiny_models["llama"][0] / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match="no model weights"):
         LlamaForCausalLM.from_hugging_face(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a model"):
-        LLM(tmp_path / ".." / tmp_path.name / "..")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a model: no config.json and no .gguf"):
+        LLM(tmp_path / "empty")
 
 
 def test_unknown_architecture(tiny_models, tmp_path):

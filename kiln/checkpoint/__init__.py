@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .gguf_file import find_gguf, read_gguf_config, read_gguf_weights
+from .gguf_file import find_gguf, has_tokenizer, read_gguf_config, read_gguf_weights
 from .hf import is_hf_dir, read_hf_config, read_hf_weights
 from .io import is_checkpoint_dir, load_checkpoint, load_checkpoint_config, save_checkpoint
 from .layout import check_weights, checkpoint_shapes
@@ -32,7 +32,8 @@ def read_source_weights(path: str | Path, config, progress=None):
     path = Path(path)
     gguf = find_gguf(path)
     if gguf is not None and not (path.is_dir() and is_hf_dir(path)):
-        weights, tokenizer = read_gguf_weights(gguf, config, progress), tokenizer_files_from_gguf(gguf)
+        weights = read_gguf_weights(gguf, config, progress)
+        tokenizer = tokenizer_files_from_gguf(gguf, has_tokenizer(gguf))
     else:
         weights, tokenizer = read_hf_weights(path, config, progress), read_tokenizer_files(path)
     check_weights(weights, config, str(path))

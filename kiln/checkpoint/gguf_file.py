@@ -121,6 +121,10 @@ def read_gguf_weights(path: Path, config: PretrainedConfig, progress=None) -> di
     return weights
 
 
+def has_tokenizer(path: Path) -> bool:
+    return _field(_reader(path), "tokenizer.ggml.model") is not None
+
+
 def _rename(name: str, path: Path) -> str:
     for pattern, replacement in _NAMES:
         if pattern.fullmatch(name):

@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import types
+import typing
 from typing import Any, Iterable
 
 
@@ -26,13 +28,37 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def from_dict(cls: type, data: dict[str, Any] | None, where: str):
-    """Build dataclass `cls` from `data`; an unknown key is a ValueError naming it and `where`."""
+    """Build dataclass `cls` from `data` (e.g. parsed YAML/JSON); an unknown key or a value of the wrong type
+    is a ValueError naming the key and `where`."""
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of keys to values, got {data!r}")
     data = dict(data or {})
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} in {where}; known keys: {', '.join(sorted(known))}")
-    return cls(**data)
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check a loaded value against a field's type; accept YAML's spellings of floats such as 1e-6."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    expected = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(hint)
+    if typing.get_origin(hint) is list:
+        expected = (list,)
+    if expected and (not isinstance(value, expected) or (hint is not bool and isinstance(value, bool))):
+        raise ValueError(f"{where} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+    return value
 
 
 def to_dict(obj) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""The command line: kiln convert / build / run, and kiln-build with trtllm-build's flag names."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from kiln import Engine
+from kiln.cli.main import build_main, main
+from kiln.models import LlamaForCausalLM
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_models, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    assert main(["convert", "--model_dir", str(tiny_models["llama"][0]), "--output_dir", str(path)]) == 0
+    return path
+
+
+def test_kiln_build_takes_trtllm_build_flags(ckpt, tmp_path):
+    rc = build_main(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--gemm_plugin", "auto",
+                     "--gpt_attention_plugin", "float32", "--context_fmha", "enable", "--remove_input_padding", "enable",
+                     "--paged_kv_cache", "enable", "--tokens_per_block", "16", "--max_batch_size", "3",
+                     "--max_input_len", "40", "--max_seq_len", "100", "--gather_all_token_logits"])
+    assert rc == 0
+    build = Engine.from_dir(tmp_path / "e").build_config
+    assert (build.max_batch_size, build.max_input_len, build.max_output_len, build.max_seq_len) == (3, 40, 60, 100)
+    assert build.plugin_config.tokens_per_block == 16 and build.gather_generation_logits
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "rank0.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+
+
+def test_dry_run_writes_nothing_and_visualize_writes_the_graph(ckpt, tmp_path, capsys):
+    assert main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]) == 0
+    assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []
+    assert main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--visualize_network",
+                 "--profiling_verbosity", "detailed"]) == 0
+    text = (tmp_path / "e" / "network.txt").read_text()
+    assert "DecoderLayer" in text and "layers.1.attn.qkv_proj.weight\t(128, 64)\tfloat32" in text
+    err = capsys.readouterr().err
+    assert "Build [1/3]" in err and "Build [3/3] done in" in err
+
+
+def test_run_applies_the_chat_template(ckpt, tmp_path, capsys):
+    assert main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e")]) == 0
+    capsys.readouterr()
+    assert main(["run", "--engine_dir", str(tmp_path / "e"), "--max_new_tokens", "5", "hello", "wörld"]) == 0
+    out = capsys.readouterr().out
+    assert "> hello\n" in out and "> wörld\n" in out
+    assert main(["run", "--engine_dir", str(tmp_path / "e"), "--max_new_tokens", "5", "--no_chat_template", "hi"]) == 0
+
+
+def test_convert_random_model_and_config_only(tmp_path):
+    shape = ["--vocab_size", "100", "--n_layer", "2", "--n_head", "4", "--n_embd", "32", "--inter_size", "64"]
+    assert main(["convert", "--output_dir", str(tmp_path / "rand"), *shape, "--n_kv_head", "2"]) == 0
+    model = LlamaForCausalLM.from_checkpoint(tmp_path / "rand")
+    assert (model.config.num_key_value_heads, model.config.vocab_size) == (2, 100)
+    assert main(["convert", "--output_dir", str(tmp_path / "cfg"), *shape, "--save_config_only"]) == 0
+    assert [p.name for p in (tmp_path / "cfg").iterdir()] == ["config.json"]
+    assert json.loads((tmp_path / "cfg" / "config.json").read_text())["kiln_format"] == "kiln-checkpoint"
+    assert main(["convert", "--output_dir", str(tmp_path / "bad"), "--vocab_size", "100"]) == 2
+
+
+def test_flags_carry_their_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--max_num_tokens" in help_text and "Most tokens (prompt chunks + generated)" in help_text
+    assert "--use_paged_context_fmha" in help_text
+
+
+@pytest.mark.skipif(shutil.which("kiln-build") is None, reason="package scripts not installed")
+def test_installed_scripts():
+    for cmd in (["kiln", "--help"], ["kiln-build", "--help"]):
+        assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0

@@ -1,0 +1,114 @@
+"""The torch reference kernels against float64 references written independently here (and transformers' rope)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.kernels import AttentionMetadata, ops, rope_cos_sin, rope_inv_freq
+
+
+def _naive_attention(q, k, v, q_pos, window):
+    """float64 attention of one sequence: q (Q, H, D) at positions q_pos over k, v (K, KH, D)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.double().repeat_interleave(heads // kv_heads, 1)
+    v = v.double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    j = torch.arange(k.shape[0])
+    allowed = j[None, :] <= q_pos[:, None]
+    if window:
+        allowed &= j[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block, window",
+                         [(4, 4, 16, 16, None), (8, 2, 32, 32, None), (8, 1, 64, 8, 20)])
+def test_paged_attention_matches_naive(heads, kv_heads, head_dim, block, window):
+    g = torch.Generator().manual_seed(heads * block)
+    # (tokens already cached, new tokens) per sequence: decode, fresh prompt, chunk after a cached prefix.
+    seqs = [(40, 1), (0, 37), (23, 9), (5, 1)]
+    num_blocks = 64
+    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()                  # scattered blocks
+    tables, slots, starts, qs, positions = [], [], [0], [], []
+    for cached, new in seqs:
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block))]
+        tables.append(blocks)
+        slots += [blocks[i // block] * block + i % block for i in range(cached, total)]
+        starts.append(starts[-1] + new)
+        positions.append(torch.arange(cached, total))
+    q = torch.randn(starts[-1], heads, head_dim, generator=g)
+    k_new = torch.randn(starts[-1], kv_heads, head_dim, generator=g)
+    v_new = torch.randn(starts[-1], kv_heads, head_dim, generator=g)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(starts), torch.tensor([c + n for c, n in seqs]),
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), max(n for _, n in seqs),
+                             max(c + n for c, n in seqs), block)
+    ops.write_kv(k_new, v_new, cache, meta.slot_mapping)
+    out = ops.paged_attention(q, cache, meta, head_dim ** -0.5, window)
+    for b, ((cached, new), table) in enumerate(zip(seqs, tables)):
+        idx = torch.tensor([table[i // block] * block + i % block for i in range(cached + new)])
+        k_all, v_all = cache[0].flatten(0, 1)[idx], cache[1].flatten(0, 1)[idx]
+        ref = _naive_attention(q[starts[b]:starts[b + 1]], k_all, v_all, positions[b], window)
+        assert torch.allclose(out[starts[b]:starts[b + 1]].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_and_residual():
+    g = torch.Generator().manual_seed(0)
+    x, r, w = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(64, generator=g)
+    s = x.double() + r.double()
+    ref = w.double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    out, residual = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.allclose(out.double(), ref, atol=1e-5) and torch.allclose(residual.double(), s, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaling", [None, {"type": "linear", "factor": 4.0},
+                                     {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}])
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "default", "rope_theta": 500000.0}
+    if scaling:
+        params.update({k: v for k, v in scaling.items() if k != "type"}, rope_type=scaling["type"])
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_parameters=params, max_position_embeddings=131072)
+    if scaling:
+        ref, _ = ROPE_INIT_FUNCTIONS[scaling["type"]](config, "cpu")
+    else:
+        ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    assert torch.allclose(rope_inv_freq(128, 500000.0, scaling), ref, rtol=1e-6)
+
+
+def test_rotary_rotates_pairs_of_halves():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 2, 8, generator=g), torch.randn(3, 1, 8, generator=g)
+    positions = torch.tensor([0, 5, 11])
+    table = rope_cos_sin(16, 8, 10000.0, None)
+    q_rot, k_rot = ops.rotary(q, k, positions, table)
+    theta = positions[:, None].double() * (1.0 / 10000.0 ** (torch.arange(0, 8, 2).double() / 8))  # (T, 4)
+    x1, x2 = q.double()[..., :4], q.double()[..., 4:]
+    cos, sin = theta.cos()[:, None], theta.sin()[:, None]
+    ref = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    assert torch.allclose(q_rot.double(), ref, atol=1e-6)
+    assert torch.equal(q_rot[0], q[0])  # position 0 is the identity
+
+
+def test_moe_matches_per_token_loop():
+    g = torch.Generator().manual_seed(0)
+    t, h, i, e, k = 7, 16, 24, 4, 2
+    x, router = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
+    out = ops.moe(x, router, gate_up, down, k, renormalize=True)
+    for n in range(t):
+        probs = (router.double() @ x[n].double()).softmax(-1)
+        top = probs.topk(k)
+        expected = torch.zeros(h, dtype=torch.float64)
+        for weight, expert in zip(top.values / top.values.sum(), top.indices):
+            gu = gate_up[expert].double() @ x[n].double()
+            act = torch.nn.functional.silu(gu[:i]) * gu[i:]
+            expected += weight * (down[expert].double() @ act)
+        assert torch.allclose(out[n].double(), expected, atol=1e-5)
