@@ -4,14 +4,26 @@ Load → convert → build → run:
     model = LlamaForCausalLM.from_hugging_face(dir); model.save_checkpoint(ckpt)
     engine = build(model, BuildConfig(...)); engine.save(engine_dir)
     LLM(engine_dir).generate(prompts, SamplingConfig(...))
+
+Names are imported on first use, so `import kiln.runtime.scheduler` (plain Python) does not pull in torch.
 """
-from .builder import Engine, build
-from .config import (BuildConfig, ConvertConfig, KvCacheConfig, Mapping, PluginConfig, PretrainedConfig,
-                     QuantConfig)
-from .llm import LLM
-from .runtime.outputs import GenerationOutput
-from .runtime.sampling import SamplingConfig
+import importlib
+
 from .version import __version__
 
-__all__ = ["BuildConfig", "ConvertConfig", "Engine", "GenerationOutput", "KvCacheConfig", "LLM", "Mapping",
-           "PluginConfig", "PretrainedConfig", "QuantConfig", "SamplingConfig", "__version__", "build"]
+_EXPORTS = {
+    "LLM": "kiln.llm", "build": "kiln.builder", "Engine": "kiln.builder",
+    "BuildConfig": "kiln.config", "ConvertConfig": "kiln.config", "KvCacheConfig": "kiln.config",
+    "Mapping": "kiln.config", "PluginConfig": "kiln.config", "PretrainedConfig": "kiln.config",
+    "QuantConfig": "kiln.config", "SchedulerPolicy": "kiln.config",
+    "SamplingConfig": "kiln.runtime.sampling", "DecodingMode": "kiln.runtime.sampling",
+    "GenerationOutput": "kiln.runtime.outputs", "CompletionOutput": "kiln.runtime.outputs",
+    "GenerationResult": "kiln.runtime.executor",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

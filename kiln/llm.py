@@ -1,6 +1,9 @@
-"""LLM: point it at an HF directory, a GGUF file, a Kiln checkpoint or an engine; it does what is missing."""
+"""LLM: point it at an HF directory, a GGUF file, a Kiln checkpoint or an engine; it does what is missing,
+then serves generate / generate_async from one background engine loop."""
 from __future__ import annotations
 
+import copy
+import sys
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -8,15 +11,17 @@ import torch
 
 from kiln.builder import Engine, build, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import BuildConfig, KvCacheConfig, PretrainedConfig
+from kiln.config import BuildConfig, KvCacheConfig, PretrainedConfig, SchedulerPolicy
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.executor import GenerationExecutor, GenerationResult
 from kiln.runtime.outputs import GenerationOutput
 from kiln.runtime.request import Request
-from kiln.runtime.sampling import SamplingConfig
+from kiln.runtime.sampling import DecodingMode, SamplingConfig
 from kiln.tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = Union[str, Sequence[int]]
+PROGRESS_BAR_MIN_PROMPTS = 64
 
 
 def default_build_config(config: PretrainedConfig) -> BuildConfig:
@@ -54,16 +59,44 @@ class LLM:
         llm = LLM("engine_dir")            # or an HF dir, a .gguf file, a Kiln checkpoint
         for out in llm.generate(["Hello", [1, 2, 3]], SamplingConfig(max_new_tokens=32)):
             print(out.text)
+
+    Requests from all callers share one background engine loop (in-flight batching over a paged KV cache).
     """
 
     def __init__(self, model, tokenizer=None, dtype: str = "auto", build_config: BuildConfig | None = None,
-                 kv_cache_config: KvCacheConfig | None = None, device: str | torch.device | None = None,
-                 quiet: bool = False):
+                 kv_cache_config: KvCacheConfig | None = None, enable_trt_overlap: bool = False,
+                 normalize_log_probs: bool = False, enable_chunked_context: bool = False,
+                 decoding_mode: DecodingMode | None = None,
+                 scheduling_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
+                 device: str | torch.device | None = None, quiet: bool = False):
+        """
+        Args:
+            model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
+            tokenizer: overrides the tokenizer stored with the model.
+            build_config: limits for the engine built here (not for an already built engine).
+            kv_cache_config: size of the paged KV cache and prefix block reuse.
+            enable_trt_overlap: overlap CPU scheduling with the GPU's step (not supported yet).
+            normalize_log_probs: returned log-probabilities are renormalised over the tokens top-k/top-p kept.
+            enable_chunked_context: split prompts longer than the step's token budget over several steps.
+            decoding_mode: restrict the decoding algorithms requests may use (None: any).
+            scheduling_policy: GUARANTEED_NO_EVICT or MAX_UTILIZATION.
+        """
+        if enable_trt_overlap:
+            raise ValueError("enable_trt_overlap=True is not supported by Kiln yet (it needs the GPU fast path)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.engine = load_engine(model, dtype, build_config, quiet)
+        build_limits = self.engine.build_config
+        if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
+            raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="
+                             f"{build_limits.max_input_len}: enable_chunked_context=True is needed")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.engine.tokenizer_files)
         self.eos_ids = eos_token_ids(self.tokenizer, self.engine.tokenizer_files)
-        self.core = EngineCore(self.engine, self.device, kv_cache_config, quiet)
+        self.decoding_mode = decoding_mode or DecodingMode.none
+        self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
+                               normalize_log_probs)
+        if not quiet:
+            print(self.core.memory_line, file=sys.stderr)
+        self._executor = GenerationExecutor(self.core, copy.deepcopy(self.tokenizer))
         self._next_request_id = 0
 
     @property
@@ -79,28 +112,42 @@ class LLM:
         self.engine.save(engine_dir)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None):
+                 sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None,
+                 use_tqdm: bool | None = None):
         """Generate for one prompt (→ one GenerationOutput) or a list of prompts (→ a list, in order).
 
-        A prompt is text or a list of token ids; `sampling_config` is one config or one per prompt."""
+        A prompt is text or a list of token ids; `sampling_config` is one config or one per prompt. Every prompt
+        is validated before any is submitted. A progress bar shows for large batches (or with use_tqdm=True)."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
                                               and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
         configs = self._configs(sampling_config, len(prompt_list))
-        requests = [self._make_request(p, c) for p, c in zip(prompt_list, configs)]  # validate all first
-        for request in requests:
-            self.core.add_request(request)
-        while self.core.has_unfinished():
-            self.core.step()
-        outputs = [self._output(r, p) for r, p in zip(requests, prompt_list)]
+        requests = [self._make_request(p, c) for p, c in zip(prompt_list, configs)]
+        results = [self._executor.submit(r, p, streaming=False) for r, p in zip(requests, prompt_list)]
+        show = len(results) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
+        outputs = [r.result() for r in _progress(results, show)]
         return outputs[0] if single else outputs
+
+    def generate_async(self, prompt: Prompt, sampling_config: SamplingConfig | None = None,
+                       streaming: bool = False) -> GenerationResult:
+        """Submit one prompt; returns at once. `await` the result, `async for` its streamed outputs (each with
+        text_diff / token_ids_diff), or call `.result()`; `.abort()` stops it."""
+        request = self._make_request(prompt, sampling_config or SamplingConfig())
+        return self._executor.submit(request, prompt, streaming)
+
+    def abort(self, request_id: int) -> None:
+        self._executor.abort(request_id)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (a list of {"role", "content"}) with the prompt for the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this engine's tokenizer has no chat template")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def stats(self) -> dict:
+        """Runtime statistics: requests running/waiting, KV blocks used/free, prefix reuse, tokens per step."""
+        return self.core.stats()
 
     @staticmethod
     def _configs(sampling_config, n: int) -> list[SamplingConfig]:
@@ -116,49 +163,82 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids instead of text")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, Sequence):
             ids = list(prompt)
             vocab = self.config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+        else:
+            raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         return ids
 
     def _make_request(self, prompt: Prompt, sampling: SamplingConfig) -> Request:
-        ids, build = self._encode(prompt), self.build_config
-        if len(ids) > build.max_input_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the engine's max_input_len={build.max_input_len}")
-        if len(ids) + sampling.max_new_tokens > build.max_seq_len:
+        if not isinstance(sampling, SamplingConfig):
+            raise ValueError(f"sampling_config must be a SamplingConfig, got {type(sampling).__name__}")
+        ids, build_limits = self._encode(prompt), self.build_config
+        if len(ids) > build_limits.max_input_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the engine's max_input_len="
+                             f"{build_limits.max_input_len}")
+        if len(ids) + sampling.max_new_tokens > build_limits.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
-                             f"{len(ids) + sampling.max_new_tokens} exceeds the engine's max_seq_len={build.max_seq_len}")
-        if sampling.num_beams > build.max_beam_width:
-            raise ValueError(f"SamplingConfig.num_beams={sampling.num_beams} exceeds the engine's "
-                             f"max_beam_width={build.max_beam_width}")
-        for name in ("end_id", "pad_id"):
-            value = getattr(sampling, name)
-            if value is not None and value != -1 and not 0 <= value < self.config.vocab_size:
-                raise ValueError(f"SamplingConfig.{name}={value} is not in the vocabulary [0, {self.config.vocab_size})")
+                             f"{len(ids) + sampling.max_new_tokens} exceeds the engine's max_seq_len="
+                             f"{build_limits.max_seq_len}")
+        self._check_decoding(sampling)
+        vocab = self.config.vocab_size
+        for name, value in (("end_id", sampling.end_id), ("pad_id", sampling.pad_id)):
+            if value is not None and value != -1 and not 0 <= value < vocab:
+                raise ValueError(f"SamplingConfig.{name}={value} is not in the vocabulary [0, {vocab})")
+        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"SamplingConfig.stop_token_ids: {bad_stop[0]} is not in the vocabulary [0, {vocab})")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("SamplingConfig.stop needs a tokenizer; this engine has none")
         end_ids = self.eos_ids if sampling.end_id is None else ([] if sampling.end_id == -1 else [sampling.end_id])
         self._next_request_id += 1
-        return Request(self._next_request_id, ids, sampling, frozenset(end_ids))
+        request = Request(self._next_request_id, ids, sampling, frozenset(end_ids))
+        self.core.scheduler.check_fits(request)
+        return request
 
-    def _output(self, request: Request, prompt: Prompt) -> GenerationOutput:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        gen_logits = torch.stack(request.generation_logits) if request.generation_logits else None
-        tokens, sampling = list(request.output_token_ids), request.sampling
-        pad = sampling.pad_id if sampling.pad_id is not None else next(iter(sorted(request.end_ids)), 0)
-        padded = tokens + [pad] * (sampling.max_new_tokens - len(tokens))
-        return GenerationOutput(request.request_id, prompt if isinstance(prompt, str) else None,
-                                list(request.prompt_token_ids), tokens, text, request.finish_reason,
-                                padded, request.context_logits, gen_logits)
+    def _check_decoding(self, sampling: SamplingConfig) -> None:
+        build_limits, mode = self.build_config, self.decoding_mode
+        if sampling.num_beams > build_limits.max_beam_width:
+            raise ValueError(f"SamplingConfig.num_beams={sampling.num_beams} exceeds the engine's "
+                             f"max_beam_width={build_limits.max_beam_width}")
+        if sampling.use_beam_search and (sampling.stop or sampling.has_penalties):
+            raise ValueError("beam search does not support stop strings or repetition/presence/frequency penalties")
+        if sampling.num_sequences > 1 and build_limits.gather_generation_logits:
+            raise ValueError("gather_generation_logits engines return generation logits for n=1, num_beams=1 only")
+        if mode is DecodingMode.none:
+            return
+        if sampling.use_beam_search != (mode is DecodingMode.beam_search):
+            raise ValueError(f"decoding_mode={mode.name} does not accept num_beams={sampling.num_beams}")
+        if mode is DecodingMode.top_k and (sampling.top_p is not None or sampling.min_p is not None):
+            raise ValueError("decoding_mode=top_k does not accept top_p or min_p")
+        if mode is DecodingMode.top_p and sampling.top_k is not None:
+            raise ValueError("decoding_mode=top_p does not accept top_k")
 
     def shutdown(self) -> None:
-        self.core = None
+        """Stop the engine loop; unfinished requests fail with a clear error."""
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def __del__(self):
+        self.shutdown()
+
+
+def _progress(results: list[GenerationResult], show: bool):
+    if not show:
+        return results
+    from kiln.utils.steps import progress
+
+    return progress(results, "Generating", total=len(results))

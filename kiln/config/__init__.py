@@ -5,8 +5,8 @@ from .fields import field_docs
 from .mapping import Mapping
 from .pretrained import PretrainedConfig
 from .quant import QuantConfig
-from .runtime import KvCacheConfig
+from .runtime import KvCacheConfig, SchedulerPolicy
 from .yaml_file import BuildFile, ModelSection, load_build_file
 
 __all__ = ["AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig", "LoraConfig", "Mapping",
-           "ModelSection", "PluginConfig", "PretrainedConfig", "QuantConfig", "field_docs", "load_build_file"]
+           "ModelSection", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "field_docs", "load_build_file"]

@@ -1,9 +1,10 @@
 """Run-time settings of an engine (not part of the engine itself)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from .fields import reject_unsupported, require, require_positive
+from .fields import require, require_positive
 
 
 @dataclass
@@ -23,4 +24,12 @@ class KvCacheConfig:
         require_positive("KvCacheConfig", max_tokens=self.max_tokens, host_cache_bytes=self.host_cache_bytes)
         require(0 < self.free_gpu_memory_fraction <= 1,
                 f"KvCacheConfig.free_gpu_memory_fraction={self.free_gpu_memory_fraction} must be in (0, 1]")
-        reject_unsupported(self, ["enable_block_reuse"], "block reuse is not implemented yet")
+
+
+class SchedulerPolicy(enum.Enum):
+    """How requests are admitted when the KV cache is short."""
+
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    """Admit a request only when blocks for its whole output are free, so none is ever preempted."""
+    MAX_UTILIZATION = "max_utilization"
+    """Admit greedily; when blocks run out, preempt the newest request and recompute it later."""

@@ -1,15 +1,13 @@
 """EngineCore: owns the scheduler, the KV cache and the model runner; step() = schedule → execute → update."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from kiln.builder import Engine
-from kiln.config import KvCacheConfig
+from kiln.config import KvCacheConfig, SchedulerPolicy
 
 from .kv_cache import KVCacheManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepLogits
 from .request import Request
 from .scheduler import Scheduler
 
@@ -20,59 +18,87 @@ def plan_kv_blocks(engine: Engine, kv_config: KvCacheConfig, device: torch.devic
     tpb = build.plugin_config.tokens_per_block
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
                        * getattr(torch, config.dtype).itemsize)
-    want = build.max_batch_size * build.max_seq_len
+    want = build.max_batch_size * build.max_beam_width * build.max_seq_len
     if kv_config.max_tokens is not None:
         want = min(want, kv_config.max_tokens)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget, where = int(free * kv_config.free_gpu_memory_fraction), f"{kv_config.free_gpu_memory_fraction:.0%} of free GPU memory"
+        budget = int(free * kv_config.free_gpu_memory_fraction)
+        where = f"{kv_config.free_gpu_memory_fraction:.0%} of free GPU memory"
     else:
         budget, where = kv_config.host_cache_bytes, "host_cache_bytes"
-    tokens = min(want, budget // bytes_per_token)
-    blocks = tokens // tpb
+    blocks = min(want, budget // bytes_per_token) // tpb
     need = -(-build.max_seq_len // tpb)
     if blocks < need:
-        raise ValueError(f"the KV cache fits {blocks} blocks ({where}: {budget / 2**20:.0f} MiB), but one "
-                         f"max_seq_len={build.max_seq_len} request needs {need}; give it more memory or lower max_seq_len")
+        raise ValueError(f"the KV cache fits {blocks} blocks ({where}: {budget / 2**20:.0f} MiB, "
+                         f"max_tokens={kv_config.max_tokens}), but one max_seq_len={build.max_seq_len} sequence "
+                         f"needs {need}; give it more memory or lower max_seq_len")
     line = (f"KV cache: {blocks} blocks × {tpb} tokens = {blocks * tpb} tokens, "
             f"{blocks * tpb * bytes_per_token / 2**20:.0f} MiB (limit: {where}, {want} tokens wanted)")
     return blocks, line
 
 
 class EngineCore:
-    """Runs requests to completion, many at once (in-flight batching over a paged KV cache)."""
+    """Runs many requests at once: in-flight batching over a paged KV cache."""
 
     def __init__(self, engine: Engine, device: torch.device, kv_cache_config: KvCacheConfig | None = None,
-                 quiet: bool = False):
-        build = engine.build_config
-        num_blocks, line = plan_kv_blocks(engine, kv_cache_config or KvCacheConfig(), device)
-        if not quiet:
-            print(line, file=sys.stderr)
-        self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block)
-        self.scheduler = Scheduler(self.kv, build.max_batch_size, build.max_num_tokens)
-        self.runner = ModelRunner(engine, num_blocks, device)
+                 scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
+                 enable_chunked_context: bool = False, normalize_log_probs: bool = False):
+        build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
+        num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device)
+        self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block, kv_config.enable_block_reuse)
+        self.scheduler = Scheduler(self.kv, build.max_batch_size, build.max_num_tokens, scheduler_policy,
+                                   enable_chunked_context)
+        self.runner = ModelRunner(engine, num_blocks, device, normalize_log_probs)
 
     def add_request(self, request: Request) -> None:
-        if self.kv.blocks_for(request.max_tokens) > self.kv.num_blocks:
-            raise ValueError(f"request {request.request_id} needs {request.max_tokens} tokens of KV cache; "
-                             f"the cache holds {self.kv.num_blocks * self.kv.tokens_per_block}")
         self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One forward over the scheduled tokens; returns the requests that finished."""
+        """One forward over the scheduled tokens; returns the requests that advanced (or finished)."""
         out = self.scheduler.schedule()
+        for request in out.preempted:
+            self.runner.forget_logits(request)
+            request.context_logit_chunks = []
         if not out:
             return []
-        result = self.runner.execute(out)
-        for request, _ in out.scheduled:
-            if request.request_id in result.context_logits:
-                request.context_logits = result.context_logits[request.request_id]
-            if request.request_id in result.generation_logits:
-                request.generation_logits.append(result.generation_logits[request.request_id])
-        finished = self.scheduler.update(out, result.sampled)
+        result, gathered = self.runner.execute(out)
+        self._attach_logits(gathered)
+        finished = self.scheduler.update(out, result)
         for request in finished:
-            self.runner.release(request.request_id)
-        return finished
+            self.runner.release(request)
+        return list({id(r): r for r, _, _ in out.scheduled}.values())
+
+    def _attach_logits(self, gathered: StepLogits) -> None:
+        requests = {r.request_id: r for r in self.scheduler.running}
+        for request_id, chunk in gathered.context.items():
+            request = requests[request_id]
+            request.context_logit_chunks.append(chunk)
+            if sum(c.shape[0] for c in request.context_logit_chunks) == request.num_prompt_tokens:
+                request.context_logits = torch.cat(request.context_logit_chunks)
+                request.context_logit_chunks = []
+        for request_id, row in gathered.generation.items():
+            requests[request_id].generation_logits.append(row)
+
+    def finish_seq(self, request: Request, seq, reason: str) -> None:
+        self.scheduler.finish_seq(request, seq, reason)
+        if request.finished:
+            self.runner.release(request)
+
+    def abort(self, request: Request) -> None:
+        self.scheduler.abort(request)
+        self.runner.release(request)
+
+    def stats(self) -> dict:
+        kv, sched = self.kv, self.scheduler
+        return {"running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used_blocks,
+                "kv_blocks_free": kv.num_free_blocks, "kv_tokens_per_block": kv.tokens_per_block,
+                "prefix_cache_hit_rate": kv.stats.hit_rate, "prefix_cache_hit_tokens": kv.stats.hit_tokens,
+                "prefix_cache_queried_tokens": kv.stats.queried_tokens, "steps": sched.stats.steps,
+                "scheduled_tokens": sched.stats.scheduled_tokens, "last_step_tokens": sched.stats.last_step_tokens,
+                "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
+                "preemptions": sched.stats.preemptions}

@@ -1,10 +1,18 @@
-"""A request as the scheduler sees it: token ids, progress counters and blocks. No torch here."""
+"""Requests and their sequences, as the scheduler sees them: token ids, progress counters, blocks. No torch.
+
+A request starts with one sequence (its prompt). When the prompt is computed, a request asking for n samples
+or num_beams beams forks into that many sequences, which share the prompt's KV-cache blocks.
+"""
 from __future__ import annotations
 
 import enum
+import itertools
+import time
 from dataclasses import dataclass, field
 
 from .sampling import SamplingConfig
+
+_seq_ids = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -14,52 +22,108 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
+class TokenLogprob:
+    """The log-probability of a chosen token, and of the most likely tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One line of tokens: the prompt plus what this sequence generated. Tokens [0, num_computed_tokens)
+    are in the KV cache (in `block_ids`); the rest still need a forward pass."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)   # prefix-cache keys of the full blocks registered
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    sample_index: int = 0          # which of the request's n samples (seeds its generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self) -> "Sequence":
+        """A copy sharing nothing mutable; its blocks are assigned by the KV cache manager."""
+        return Sequence(list(self.token_ids), self.num_prompt_tokens, num_computed_tokens=self.num_computed_tokens,
+                        cumulative_logprob=self.cumulative_logprob, logprobs=list(self.logprobs),
+                        sample_index=self.sample_index)
+
+
+@dataclass
+class BeamHypothesis:
+    """A finished beam: its score (length-penalised), tokens and cumulative log-probability."""
+
+    score: float
+    sequence: Sequence
+
+
+@dataclass(eq=False)
 class Request:
-    """One generation request. Tokens [0, num_computed_tokens) are in the KV cache; the rest still need a forward."""
+    """One generation request: its sampling settings and its live sequences."""
 
     request_id: int
     prompt_token_ids: list[int]
     sampling: SamplingConfig
     end_ids: frozenset[int] = frozenset()
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
+    beam_improvable: bool = True            # beam search: a running beam may still beat the finished ones
+    num_cached_prompt_tokens: int = 0       # prompt tokens found in the prefix cache (not computed)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
     finish_reason: str | None = None
-    context_logits: object = None          # (prompt_len, vocab) tensor when the engine gathers them
+    context_logits: object = None           # (prompt_len, vocab) tensor when the engine gathers them
+    context_logit_chunks: list = field(default_factory=list)
     generation_logits: list = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self):
+        if not self.seqs:
+            self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def max_tokens(self) -> int:
-        """Tokens this request holds when it has generated everything it may."""
-        return self.num_prompt_tokens + self.sampling.max_new_tokens
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids at positions [start, end) of prompt + output."""
-        n = self.num_prompt_tokens
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
-
-    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token: int) -> None:
-        """Record a sampled token and finish the request when it hits an end id or its length limit."""
-        self.output_token_ids.append(token)
-        if token in self.end_ids:
-            self.finish("stop")
-        elif len(self.output_token_ids) >= self.sampling.max_new_tokens:
-            self.finish("length")
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.end_ids | frozenset(self.sampling.stop_token_ids)
 
-    def finish(self, reason: str) -> None:
-        self.status, self.finish_reason = RequestStatus.FINISHED, reason
+    def all_seqs(self) -> list[Sequence]:
+        return self.seqs + self.finished_seqs
+
+    def max_blocks(self, tokens_per_block: int) -> int:
+        """The most KV-cache blocks this request can ever hold at once (its worst case, nothing shared)."""
+        per_seq = -(-(self.num_prompt_tokens + self.sampling.max_new_tokens) // tokens_per_block)
+        return self.sampling.num_sequences * per_seq

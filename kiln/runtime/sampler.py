@@ -1,28 +1,92 @@
-"""Token selection from logits: greedy, temperature, top-k and top-p, each request with its own generator."""
+"""Token selection from logits: penalties, greedy, temperature, top-k, top-p, min-p, log-probabilities, and
+the beam-search candidates. Each sample has its own generator, so results do not depend on the batch."""
 from __future__ import annotations
 
 import torch
 
+from .beam_search import Candidate
+from .request import Request, Sequence, TokenLogprob
 from .sampling import SamplingConfig
 
 
-def sample(logits: torch.Tensor, configs: list[SamplingConfig], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """(N, V) float32 logits → (N,) token ids."""
-    tokens = logits.argmax(dim=-1)
-    for i, (config, generator) in enumerate(zip(configs, generators)):
-        if not config.greedy:
-            tokens[i] = _sample_row(logits[i], config, generator)
-    return tokens
+def apply_penalties(logits: torch.Tensor, seq: Sequence, sampling: SamplingConfig) -> torch.Tensor:
+    """(V,) logits of one sequence with repetition (prompt + output), presence and frequency (output) penalties."""
+    if not sampling.has_penalties:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if sampling.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(seq.token_ids)), device=device)
+        seen = logits[ids]
+        logits[ids] = torch.where(seen > 0, seen / sampling.repetition_penalty, seen * sampling.repetition_penalty)
+    if (sampling.presence_penalty or sampling.frequency_penalty) and seq.num_output_tokens:
+        ids, counts = torch.tensor(seq.output_token_ids, device=device).unique(return_counts=True)
+        logits[ids] -= sampling.frequency_penalty * counts.to(logits.dtype) + sampling.presence_penalty
+    return logits
 
 
-def _sample_row(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    logits = logits / (config.temperature if config.temperature is not None else 1.0)
-    if config.top_k:
-        kth = torch.topk(logits, min(config.top_k, logits.shape[-1])).values[-1]
+def suppress_stop_tokens(logits: torch.Tensor, request: Request, seq: Sequence) -> torch.Tensor:
+    """Forbid stop tokens while the sequence is shorter than min_tokens."""
+    if seq.num_output_tokens >= request.sampling.min_tokens or not request.stop_ids:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(sorted(request.stop_ids), device=logits.device)] = float("-inf")
+    return logits
+
+
+def filtered_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf) on (V,) logits."""
+    logits = logits / (sampling.temperature if sampling.temperature is not None else 1.0)
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p is not None and config.top_p < 1:
+    if sampling.top_p is not None and sampling.top_p < 1:
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > config.top_p      # keep tokens until the mass reaches top_p
+        drop = probs.cumsum(-1) - probs > sampling.top_p     # keep tokens until their mass reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
+    if sampling.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+           normalize_log_probs: bool) -> tuple[int, TokenLogprob | None]:
+    """Pick one token from (V,) processed logits; with its log-probability when the request asks for them.
+
+    Log-probabilities are of the distribution sampled from (after temperature): over the whole vocabulary, or,
+    with normalize_log_probs, renormalised over the tokens top-k/top-p/min-p kept."""
+    if sampling.greedy:
+        token = int(logits.argmax())
+        kept = logits
+    else:
+        kept = filtered_logits(logits, sampling)
+        token = int(torch.multinomial(kept.softmax(-1), 1, generator=generator)[0])
+    if sampling.logprobs is None:
+        return token, None
+    dist = kept if (normalize_log_probs or sampling.greedy) else logits / (sampling.temperature or 1.0)
+    logprobs = torch.log_softmax(dist.float(), dim=-1)
+    return token, _logprob_entry(logprobs, token, sampling.logprobs)
+
+
+def _logprob_entry(logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top = {}
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def beam_candidates(rows: torch.Tensor, request: Request, keep: int) -> list[Candidate]:
+    """The best `keep` (beam, token) continuations by cumulative log-probability; rows is (beams, V)."""
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    seqs = request.seqs
+    if seqs[0].num_output_tokens < request.sampling.min_tokens and request.stop_ids:
+        logprobs[:, torch.tensor(sorted(request.stop_ids), device=rows.device)] = float("-inf")
+    cumulative = torch.tensor([s.cumulative_logprob for s in seqs], device=rows.device, dtype=torch.float32)
+    total = (logprobs + cumulative[:, None]).flatten()
+    values, flat = torch.topk(total, min(keep, total.numel()))
+    vocab = rows.shape[-1]
+    return [Candidate(int(i) // vocab, int(i) % vocab, float(v), float(logprobs.flatten()[i]))
+            for v, i in zip(values.tolist(), flat.tolist())]

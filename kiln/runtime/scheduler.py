@@ -1,65 +1,268 @@
-"""The scheduler: one rule for every request — compute tokens [num_computed_tokens, num_tokens) — under the
-max_num_tokens and max_batch_size budgets. Plain Python, no torch."""
+"""The scheduler. One rule for every sequence: compute tokens [num_computed_tokens, num_tokens) — a whole
+prompt, a chunk of one, or the one token a generating sequence just sampled — under the max_num_tokens and
+max_batch_size budgets. Running requests go first (FCFS), then waiting ones. Plain Python, no torch.
+"""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kiln.config.runtime import SchedulerPolicy
+
+from .beam_search import Candidate, beam_step
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, Sequence, TokenLogprob
 
 
 @dataclass
 class SchedulerOutput:
-    """The work of one step: each request with the number of new tokens it computes."""
+    """The work of one step: sequences with their number of new tokens, and KV blocks to copy first."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[tuple[Request, Sequence, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(n for _, _, n in self.scheduled)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
 
-class Scheduler:
-    """FCFS. A request is admitted only when blocks for its whole output are free, so none is ever evicted."""
+@dataclass
+class SampledToken:
+    """A token chosen for a request: appended to seqs[parent] (forking it if chosen twice)."""
 
-    def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int):
+    parent: int
+    token: int
+    logprob: TokenLogprob | None = None
+    sample_index: int | None = None
+
+
+@dataclass
+class ModelStepOutput:
+    """What the model runner decided for the requests whose sequences are all computed after a step."""
+
+    tokens: dict[int, list[SampledToken]] = field(default_factory=dict)      # request id → tokens
+    beam_candidates: dict[int, list[Candidate]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    last_step_tokens: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
+                 policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT, chunked_context: bool = False):
         self.kv, self.max_batch_size, self.max_num_tokens = kv, max_batch_size, max_num_tokens
+        self.policy, self.chunked_context = policy, chunked_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.stats = SchedulerStats()
+
+    def check_fits(self, request: Request) -> None:
+        """A request whose sequences could outgrow the whole KV cache would wait forever: reject it."""
+        need = request.max_blocks(self.kv.tokens_per_block)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"the request may need {need} KV-cache blocks of {self.kv.tokens_per_block} tokens "
+                             f"({request.sampling.num_sequences} sequence(s) of up to "
+                             f"{request.num_prompt_tokens + request.sampling.max_new_tokens} tokens); the cache has "
+                             f"{self.kv.num_blocks}: lower max_new_tokens/n/num_beams or give the cache more memory")
 
     def add_request(self, request: Request) -> None:
+        self.check_fits(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # --- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([(r, r.num_tokens - r.num_computed_tokens) for r in self.running])
-        budget = self.max_num_tokens - out.num_tokens
-        while self.waiting and len(self.running) < self.max_batch_size:
-            request = self.waiting[0]
-            n = request.num_tokens - request.num_computed_tokens
-            if n > budget or not self.kv.allocate(request, request.max_tokens):
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self.max_num_tokens
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            budget, preempted_self = self._schedule_running(request, budget, out)
+            if not preempted_self:
+                index += 1
+        while not out.preempted and self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+            if not self._admit(self.waiting[0], budget, out):
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, n))
-            budget -= n
+            budget = self.max_num_tokens - out.num_tokens
+        self.stats.steps += bool(out)
+        self.stats.last_step_tokens = out.num_tokens
+        self.stats.scheduled_tokens += out.num_tokens
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance each scheduled request by its computed tokens and sampled token; return those that finished."""
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute now: all pending ones, or a chunk when chunking applies (0: wait)."""
+        pending = seq.num_pending_tokens
+        if pending <= budget:
+            return pending
+        # Without chunked context a sequence is computed whole; one that can never fit (a long sequence
+        # recomputed after preemption) is chunked anyway.
+        return budget if self.chunked_context or pending > self.max_num_tokens else 0
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        for seq in request.seqs:
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    return self.max_num_tokens - out.num_tokens, True
+            out.scheduled.append((request, seq, n))
+            budget -= n
+        return budget, False
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        hits = [self.kv.find_cached_prefix(seq) for seq in request.seqs]
+        if self.policy is SchedulerPolicy.GUARANTEED_NO_EVICT and not self._fits_reservation(request, hits):
+            return False
+        plan = []
+        for seq, blocks in zip(request.seqs, hits):
+            self.kv.adopt_prefix(seq, blocks)
+            n = self._chunk(seq, budget)
+            if n == 0 or not self.kv.allocate(seq, seq.num_computed_tokens + n):
+                break
+            plan.append((seq, n))
+            budget -= n
+        if not plan:
+            for seq in request.seqs:
+                self.kv.free_seq(seq)
+                seq.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = request.seqs[0].num_computed_tokens
+            self.kv.stats.queried_tokens += request.num_prompt_tokens
+            self.kv.stats.hit_tokens += request.num_cached_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled += [(request, seq, n) for seq, n in plan]
+        return True
+
+    def _fits_reservation(self, request: Request, hits: list[list[int]]) -> bool:
+        """GUARANTEED_NO_EVICT: every running request can still grow to its worst case after admitting this one."""
+        bs = self.kv.tokens_per_block
+        reserved = sum(r.max_blocks(bs) - len({b for s in r.seqs for b in s.block_ids}) for r in self.running)
+        distinct_hits = {b for blocks in hits for b in blocks}
+        newly_referenced = sum(1 for b in distinct_hits if self.kv.ref_counts[b] == 0)
+        free_after = self.kv.num_free_blocks - newly_referenced - reserved
+        return free_after >= request.max_blocks(bs) - len(distinct_hits)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks and queue it first in line, to be recomputed from its tokens."""
+        for seq in request.seqs:
+            self.kv.free_seq(seq)
+            seq.num_computed_tokens = 0
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.scheduled = [entry for entry in out.scheduled if entry[0] is not request]
+        out.preempted.append(request)
+        self.stats.preemptions += 1
+
+    # --- applying a step's results ------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelStepOutput) -> list[Request]:
+        """Advance the computed counters, append sampled tokens (forking where needed); return finished requests."""
+        for _, seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.register_full_blocks(seq)
         finished = []
-        for (request, n), token in zip(out.scheduled, sampled):
-            request.num_computed_tokens += n
-            request.append_token(token)
+        for request in {id(r): r for r, _, _ in out.scheduled}.values():
+            if request.request_id in result.beam_candidates:
+                running, done = beam_step(request, result.beam_candidates[request.request_id])
+                if done:
+                    self.finish_request(request, request.beam_hypotheses[0].sequence.finish_reason)
+                else:
+                    self._continue(request, [SampledToken(c.parent, c.token, TokenLogprob(c.token, c.logprob))
+                                             for c in running], cumulative=[c.cumulative_logprob for c in running])
+            elif request.request_id in result.tokens:
+                self._continue(request, result.tokens[request.request_id])
+                self._finish_ended_seqs(request)
             if request.finished:
-                self.kv.free(request)
-                self.running.remove(request)
                 finished.append(request)
         return finished
+
+    def _continue(self, request: Request, tokens: list[SampledToken], cumulative: list[float] | None = None) -> None:
+        parents = request.seqs
+        chosen = {t.parent for t in tokens}
+        for i, parent in enumerate(parents):
+            if i not in chosen:
+                self.kv.free_seq(parent)          # a beam nobody continues
+        children, taken = [], set()
+        for t in tokens:                          # fork before any parent changes
+            parent = parents[t.parent]
+            if t.parent in taken:
+                child = parent.fork()
+                copy = self.kv.fork(parent, child)
+                if copy:
+                    self.pending_copies.append(copy)
+            else:
+                child = parent
+                taken.add(t.parent)
+            children.append(child)
+        for i, (child, t) in enumerate(zip(children, tokens)):
+            child.token_ids.append(t.token)
+            if t.sample_index is not None:
+                child.sample_index = t.sample_index
+            if t.logprob is not None:
+                child.logprobs.append(t.logprob)
+                child.cumulative_logprob = cumulative[i] if cumulative else child.cumulative_logprob + t.logprob.logprob
+        request.seqs = children
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+
+    def _finish_ended_seqs(self, request: Request) -> None:
+        limit = request.sampling.max_new_tokens
+        for seq in list(request.seqs):
+            last = seq.token_ids[-1]
+            if last in request.stop_ids and seq.num_output_tokens >= request.sampling.min_tokens:
+                self.finish_seq(request, seq, "stop")
+            elif seq.num_output_tokens >= limit:
+                self.finish_seq(request, seq, "length")
+
+    def finish_seq(self, request: Request, seq: Sequence, reason: str) -> None:
+        """End one sequence (a stop token, the length limit, a stop string); the request ends with its last."""
+        seq.finish_reason = reason
+        self.kv.free_seq(seq)
+        request.seqs.remove(seq)
+        request.finished_seqs.append(seq)
+        if not request.seqs:
+            self._retire(request, reason)
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End a whole request now (abort, or beam search done): free its blocks, drop it from the queues."""
+        for seq in request.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+            self.kv.free_seq(seq)
+        request.finished_seqs += request.seqs
+        request.seqs = []
+        self._retire(request, reason)
+
+    def _retire(self, request: Request, reason: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+
+    def abort(self, request: Request) -> None:
+        if not request.finished:
+            self.finish_request(request, "abort")
