@@ -85,6 +85,35 @@ def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids])).logits[0].float()
 
 
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from kiln.utils.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as err:
+        pytest.fail(f"{err} (the test suite needs the embedded default model)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """(transformers model, tokenizer) loading the same GGUF file, float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_path):
+    """The Kiln model imported from the GGUF file (imported once per session)."""
+    from kiln.models import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_hugging_face(smollm2_path, quiet=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kiln import LLM, BuildConfig, SamplingConfig
-from kiln.utils.default_model import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -14,25 +13,15 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    try:
-        return default_model_path()
-    except FileNotFoundError as err:
-        pytest.fail(f"{err} (the test suite needs the embedded default model)")
+def hf(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
-def hf(gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def llm(gguf):
-    return LLM(gguf, build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512), quiet=True)
+def llm(smollm2_model):
+    with LLM(smollm2_model, build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512),
+             quiet=True) as llm:
+        yield llm
 
 
 def _hf_generate(model, ids: list[int]) -> list[int]:
@@ -61,3 +50,73 @@ def test_greedy_matches_transformers(hf, llm, chat):
     if chat:  # the instruct model answers the question, then stops on its end-of-turn token
         assert "Paris" in outputs[0].text
         assert any(o.finish_reason == "stop" for o in outputs)
+
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within decades, printing shops spread from "
+        "Mainz to Venice, Paris and London, and the cost of books fell sharply. Scholars could compare identical "
+        "copies, merchants printed price lists, and reformers spread pamphlets faster than authorities could "
+        "suppress them. ") * 4
+
+
+def test_batching_invariance_on_smollm2(hf, smollm2_model):
+    """24 requests sharing prefixes of one text (1-300 tokens) give each request's solo transformers output,
+    submitted together or staggered, with chunked context and block reuse on or off."""
+    import random
+
+    model, tokenizer = hf
+    ids = tokenizer(TEXT).input_ids
+    rng = random.Random(0)
+    requests = [(ids[:rng.randint(1, 300)], rng.randint(1, 10)) for _ in range(24)]
+    expected = [_hf_generate_n(model, p, n) for p, n in requests]
+    variants = [dict(chunked=True, reuse=True, tokens_per_block=16, staggered=True),
+                dict(chunked=False, reuse=False, tokens_per_block=64, staggered=False)]
+    for v in variants:
+        build = BuildConfig(max_batch_size=8, max_input_len=300, max_seq_len=512,
+                            max_num_tokens=128 if v["chunked"] else 600,
+                            plugin_config={"tokens_per_block": v["tokens_per_block"]})
+        from kiln import KvCacheConfig
+        with LLM(smollm2_model, build_config=build, kv_cache_config=KvCacheConfig(enable_block_reuse=v["reuse"]),
+                 enable_chunked_context=v["chunked"], quiet=True) as llm:
+            order = list(range(24))
+            if v["staggered"]:
+                rng.shuffle(order)
+            results = {}
+            for k, i in enumerate(order):
+                results[i] = llm.generate_async(requests[i][0], SamplingConfig(max_new_tokens=requests[i][1], end_id=-1))
+                if v["staggered"] and k % 6 == 5:
+                    results[i].result()
+            assert [results[i].result().token_ids for i in range(24)] == expected
+            if v["reuse"]:
+                assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def _hf_generate_n(model, ids: list[int], n: int) -> list[int]:
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0)
+    model.generation_config.eos_token_id = 2
+    return out[0, len(ids):].tolist()
+
+
+def test_streaming_non_ascii_on_smollm2(llm):
+    import asyncio
+
+    prompts = ["Translate 'thank you very much' into Japanese, Chinese and Korean.",
+               "Write the French words for 'coffee', 'summer' and 'Christmas tree' with their accents.",
+               "Spell 'naïve café' and 'Straße' exactly."]
+
+    async def main():
+        async def one(i):
+            ids = llm.apply_chat_template([{"role": "user", "content": prompts[i % 3]}])
+            result = llm.generate_async(ids, SamplingConfig(max_new_tokens=24, temperature=0.7, random_seed=i),
+                                        streaming=True)
+            deltas = [o.text_diff async for o in result]
+            return "".join(deltas), await result
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    results = asyncio.run(main())
+    for joined, final in results:
+        assert joined == final.text
+        assert "\ufffd" not in final.text or final.finish_reason == "length"
+    assert sum(any(ord(c) > 127 for c in final.text) for _, final in results) >= 3

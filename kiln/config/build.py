@@ -115,7 +115,8 @@ class BuildConfig:
     """Most beams a request may ask for."""
     max_num_tokens: int | None = None
     """Most tokens (prompt chunks + generated) processed in one step; None picks min(8192,
-    max_batch_size * max_input_len), at least max_input_len."""
+    max_batch_size * max_input_len), at least max_input_len. Below max_input_len, LLM needs
+    enable_chunked_context."""
     opt_num_tokens: int | None = None
     """Token count to optimise kernels for."""
     max_prompt_embedding_table_size: int = 0
@@ -182,11 +183,7 @@ class BuildConfig:
         require(self.max_seq_len == self.max_input_len + self.max_output_len,
                 f"BuildConfig: max_seq_len={self.max_seq_len} must equal max_input_len={self.max_input_len} + "
                 f"max_output_len={self.max_output_len}; give only one of max_seq_len and max_output_len")
-        require(self.max_num_tokens >= self.max_input_len,
-                f"BuildConfig.max_num_tokens={self.max_num_tokens} must be at least max_input_len={self.max_input_len}")
         require_choice(owner, "profiling_verbosity", self.profiling_verbosity, ("layer_names_only", "detailed", "none"))
-        require(self.max_beam_width == 1, "BuildConfig.max_beam_width > 1 is not supported by Kiln yet "
-                                          "(beam search is not implemented yet); leave it at 1")
         reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
         reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
