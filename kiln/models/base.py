@@ -8,7 +8,7 @@ import torch
 from kiln.checkpoint import (check_weights, checkpoint_shapes, load_checkpoint, read_source_config,
                              read_source_weights, save_checkpoint)
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
-from kiln.utils.steps import progress
+from kiln.utils.steps import StepLog, progress
 
 
 class PretrainedModel:
@@ -35,12 +35,17 @@ class PretrainedModel:
         if mapping.world_size > 1:
             raise ValueError(f"tensor/pipeline parallelism (tp_size={mapping.tp_size}, pp_size={mapping.pp_size}) "
                              "is not supported by Kiln yet")
-        config = read_source_config(model_dir, dtype)
-        if convert_config is not None:
-            convert_config.check_against(config, str(model_dir))
-        weights, tokenizer_files = read_source_weights(
-            model_dir, config, lambda it, desc: progress(it, desc, quiet=quiet))
-        return cls(config, weights, tokenizer_files, source=str(model_dir))
+        log = StepLog("Load", 2, quiet)
+        with log.step(f"Read the model config of {model_dir}"):
+            config = read_source_config(model_dir, dtype)
+            if convert_config is not None:
+                convert_config.check_against(config, str(model_dir))
+        with log.step(f"Load {config.architecture} weights ({config.dtype}) into the Kiln layout"):
+            weights, tokenizer_files = read_source_weights(
+                model_dir, config, lambda it, desc: progress(it, desc, quiet=quiet))
+            model = cls(config, weights, tokenizer_files, source=str(model_dir))
+        log.done()
+        return model
 
     from_pretrained = from_hugging_face
 

@@ -112,13 +112,16 @@ class DecoderForCausalLM(nn.Module):
         except RuntimeError as err:
             raise ValueError(f"engine weights do not match the engine's config: {err}") from None
         net.cos_sin = rope_cos_sin(max_seq_len, config.head_dim, config.rotary_base, config.rope_scaling).to(device)
+        if torch.device(device).type == "cpu":
+            ops.use_cpu_weight_layout(net)
         return net.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None                      # (T, hidden)
+        cos_sin = self.cos_sin[positions].unsqueeze(1)                         # (T, 1, head_dim), shared by layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin)
+            x, residual = layer(x, residual, positions, meta, kv_cache, cos_sin)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
