@@ -100,13 +100,13 @@ def test_block_reuse_computes_only_new_tokens(llama):
         assert llm.stats()["prefix_cache_hit_rate"] > 0.4 and llm.stats()["kv_blocks_used"] == 0
 
 
-def test_random_run_with_aborts_frees_every_block(llama):
+def test_random_500_request_run_with_aborts_frees_every_block(llama):
     model, _ = llama
     rng = random.Random(6)
     with _llm(model, tokens_per_block=16, reuse=True, chunked=True, kv_cache_config=KvCacheConfig(
             max_tokens=2048, enable_block_reuse=True), scheduling_policy=SchedulerPolicy.MAX_UTILIZATION) as llm:
         results = []
-        for prompt, n in _requests(60, seed=7, max_prompt=120):
+        for prompt, n in _requests(500, seed=7, max_prompt=100, max_new=8):
             sampling = SamplingConfig(max_new_tokens=n, n=rng.choice([1, 1, 2]), temperature=0.9, random_seed=1)
             results.append(llm.generate_async(prompt, sampling))
             if rng.random() < 0.3:

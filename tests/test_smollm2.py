@@ -61,7 +61,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 def test_batching_invariance_on_smollm2(hf, smollm2_model):
     """24 requests sharing prefixes of one text (1-300 tokens) give each request's solo transformers output,
-    submitted together or staggered, with chunked context and block reuse on or off."""
+    submitted together or staggered, chunked context on/off, block reuse on/off, tokens_per_block 16/64."""
     import random
 
     model, tokenizer = hf
@@ -69,8 +69,8 @@ def test_batching_invariance_on_smollm2(hf, smollm2_model):
     rng = random.Random(0)
     requests = [(ids[:rng.randint(1, 300)], rng.randint(1, 10)) for _ in range(24)]
     expected = [_hf_generate_n(model, p, n) for p, n in requests]
-    variants = [dict(chunked=True, reuse=True, tokens_per_block=16, staggered=True),
-                dict(chunked=False, reuse=False, tokens_per_block=64, staggered=False)]
+    variants = [dict(chunked=chunked, reuse=reuse, tokens_per_block=tpb, staggered=staggered)
+                for chunked in (False, True) for reuse in (False, True) for tpb in (16, 64) for staggered in (False, True)]
     for v in variants:
         build = BuildConfig(max_batch_size=8, max_input_len=300, max_seq_len=512,
                             max_num_tokens=128 if v["chunked"] else 600,

@@ -1,0 +1,228 @@
+"""Triton kernels for NVIDIA GPUs. Each has its pure-torch twin in reference.py (the oracle in tests).
+
+Shapes follow the reference: packed tokens (T, ·), KV cache per layer (2, num_blocks, tokens_per_block, KH, D).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --- RMSNorm (+ residual add) --------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        tl.store(res_ptr + row * n_cols + cols, x, mask=mask)          # the new residual, in place
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + cols, w * (xf * inv).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[-1], eps, HAS_RES=False,
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual); the sum is written into `residual`."""
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[-1], eps, HAS_RES=True,
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8)
+    return out, residual
+
+
+# --- SiLU(gate) * up -----------------------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + row * n_cols + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+# --- rotary embedding + KV-cache write -----------------------------------------------------------------------
+@triton.jit
+def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, cache_half,
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dim = 2 * HALF
+    row = qkv_ptr + token * (HEADS + 2 * KV_HEADS) * dim
+    d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * dim + d)
+    sin = tl.load(cos_sin_ptr + pos * dim + HALF + d)
+    x1 = tl.load(row + head * dim + d).to(tl.float32)
+    x2 = tl.load(row + head * dim + HALF + d).to(tl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    if head < HEADS:
+        out = q_out_ptr + (token * HEADS + head) * dim
+        tl.store(out + d, r1.to(q_out_ptr.dtype.element_ty))
+        tl.store(out + HALF + d, r2.to(q_out_ptr.dtype.element_ty))
+    else:
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:                                    # padded rows of a CUDA graph carry slot -1
+            kv_head = head - HEADS
+            k_dst = cache_ptr + (slot * KV_HEADS + kv_head) * dim
+            tl.store(k_dst + d, r1.to(cache_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF + d, r2.to(cache_ptr.dtype.element_ty))
+            v_src = row + (HEADS + KV_HEADS + kv_head) * dim
+            v_dst = k_dst + cache_half
+            tl.store(v_dst + d, tl.load(v_src + d))
+            tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d))
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate q and k of the fused projection qkv (T, (H + 2KH) D); k, v go to their cache slots.
+    Returns the rotated q (T, H, D)."""
+    tokens = qkv.shape[0]
+    q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    cache_half = kv_cache[0].numel()
+    _rope_and_cache_kernel[(tokens, heads + kv_heads)](qkv, positions, cos_sin, slot_mapping, kv_cache, q,
+                                                      cache_half, HEADS=heads, KV_HEADS=kv_heads,
+                                                      HALF=head_dim // 2, num_warps=1)
+    return q
+
+
+# --- attention over the paged cache --------------------------------------------------------------------------
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
+        part_m_ptr, part_l_ptr, part_acc_ptr, scale, window,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, BLOCK_Q: tl.constexpr, PART_BLOCKS: tl.constexpr, NUM_PARTS: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the
+    cache blocks of one partition of the sequence (partitions > 1: split-K, merged by _merge_kernel)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    qblock_part = tl.program_id(2)
+    qblock = qblock_part // NUM_PARTS
+    part = qblock_part % NUM_PARTS
+    heads = KV_HEADS * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_start
+    if qblock * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    token = qblock * BLOCK_Q + rows // GROUP_PAD                      # query token within the sequence
+    g = rows % GROUP_PAD
+    row_ok = (token < q_len) & (g < GROUP)
+    q_pos = seq_len - q_len + token                                   # its position in the sequence
+    d = tl.arange(0, DIM)
+    q_rows = (q_start + token).to(tl.int64) * heads + kv_head * GROUP + g
+    q = tl.load(q_ptr + q_rows[:, None] * DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    last_pos = seq_len - q_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q) - 1
+    n_blocks = tl.cdiv(last_pos + 1, BLOCK_TOKENS)
+    first = part * PART_BLOCKS
+    stop = tl.minimum(first + PART_BLOCKS, n_blocks)
+    if window > 0:
+        lowest = tl.maximum(seq_len - q_len + qblock * BLOCK_Q - window + 1, 0) // BLOCK_TOKENS
+        first = tl.maximum(first, lowest)
+    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
+    t = tl.arange(0, BLOCK_TOKENS)
+    for b in range(first, stop):
+        block = tl.load(block_tables_ptr + seq.to(tl.int64) * bt_stride + b).to(tl.int64)
+        kv_offsets = ((block * BLOCK_TOKENS + t[:, None]) * KV_HEADS + kv_head) * DIM + d[None, :]
+        k = tl.load(cache_ptr + kv_offsets)
+        v = tl.load(cache_ptr + cache_half + kv_offsets)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_TOKENS)
+        kv_pos = b * BLOCK_TOKENS + t
+        ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        if window > 0:
+            ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    if NUM_PARTS == 1:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        idx = q_rows * NUM_PARTS + part
+        tl.store(part_m_ptr + idx, m, mask=row_ok)
+        tl.store(part_l_ptr + idx, l, mask=row_ok)
+        tl.store(part_acc_ptr + idx[:, None] * DIM + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+                  DIM: tl.constexpr):
+    """Combine the per-partition softmax statistics of one (token, head) row."""
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PARTS_PAD)
+    real = parts < NUM_PARTS
+    m = tl.load(part_m_ptr + row * NUM_PARTS + parts, mask=real, other=float("-inf"))
+    l = tl.load(part_l_ptr + row * NUM_PARTS + parts, mask=real, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+    d = tl.arange(0, DIM)
+    acc = tl.load(part_acc_ptr + (row * NUM_PARTS + parts)[:, None] * DIM + d[None, :], mask=real[:, None], other=0.0)
+    total = tl.sum(acc * w[:, None], axis=0)
+    norm = tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * DIM + d, (total / tl.where(norm == 0.0, 1.0, norm)).to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
+                    num_parts: int = 1, part_blocks: int | None = None, block_q: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
+
+    num_parts > 1 splits each sequence's blocks over that many programs (multi_block_mode) and merges them;
+    part_blocks is then the number of cache blocks per partition."""
+    tokens, heads, dim = q.shape
+    kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
+    group = heads // kv_heads
+    group_pad = max(1, triton.next_power_of_2(group))
+    if block_q is None:
+        block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
+    block_q = max(block_q, triton.cdiv(16, group_pad))                  # tl.dot needs at least 16 rows
+    if part_blocks is None:
+        part_blocks = block_tables.shape[1]
+    out = torch.empty_like(q)
+    if num_parts > 1:
+        part_m = torch.empty((tokens * heads * num_parts,), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((tokens * heads * num_parts, dim), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out
+    grid = (seq_lens.shape[0], kv_heads, triton.cdiv(max_query_len, block_q) * num_parts)
+    _paged_attention_kernel[grid](
+        q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
+        part_m, part_l, part_acc, scale, sliding_window or 0, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
+        DIM=dim, BLOCK_TOKENS=tokens_per_block, BLOCK_Q=block_q, PART_BLOCKS=part_blocks, NUM_PARTS=num_parts,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    if num_parts > 1:
+        _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
+                                         PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)
+    return out
