@@ -30,7 +30,8 @@ def default_build_config(config: PretrainedConfig) -> BuildConfig:
     return BuildConfig(max_batch_size=64, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
 
 
-def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
+def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
+                device: torch.device | str = "cpu") -> Engine:
     """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file."""
     if isinstance(model, Engine):
         return model
@@ -42,7 +43,7 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
     if path.is_dir() and is_engine_dir(path):
         if build_config is not None or dtype != "auto":
             raise ValueError(f"{path} is a built engine: build_config and dtype cannot change it; rebuild instead")
-        return Engine.from_dir(path)
+        return Engine.from_dir(path, device=device)
     if path.is_dir() and is_checkpoint_dir(path):
         if dtype != "auto":
             raise ValueError(f"{path} is a Kiln checkpoint in {load_checkpoint_config(path).dtype}; "
@@ -84,7 +85,7 @@ class LLM:
         if enable_trt_overlap:
             raise ValueError("enable_trt_overlap=True is not supported by Kiln yet (it needs the GPU fast path)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.engine = load_engine(model, dtype, build_config, quiet)
+        self.engine = load_engine(model, dtype, build_config, quiet, self.device)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
             raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="

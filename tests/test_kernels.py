@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kiln.kernels import AttentionMetadata, ops, rope_cos_sin, rope_inv_freq
+from kiln.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq
+from kiln.kernels import reference as ops
 
 
 def _naive_attention(q, k, v, q_pos, window):

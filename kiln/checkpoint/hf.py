@@ -46,6 +46,12 @@ def read_hf_config(model_dir: str | Path, dtype: str = "auto") -> PretrainedConf
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the model config: {err}") from None
+    return config_from_hf_dict(raw, dtype, path)
+
+
+def config_from_hf_dict(raw: dict, dtype: str = "auto", path: Path | str = "config") -> PretrainedConfig:
+    """PretrainedConfig from the dict of an HF config (config.json, or a transformers config's to_dict())."""
+    path = Path(path)
     architecture = (raw.get("architectures") or [None])[0]
     check_architecture(architecture)
     if dtype == "auto":
@@ -130,21 +136,27 @@ def iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory, renamed to the Kiln layout and cast to config.dtype."""
+    files = weight_files(model_dir)
+    files = progress(files, "Loading weights") if progress else files
+    return convert_hf_tensors(((name, tensor, path) for path in files for name, tensor in iter_file_tensors(path)),
+                              config)
+
+
+def convert_hf_tensors(tensors, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """(HF name, tensor, source) triples → tensors in the Kiln layout, cast to config.dtype."""
     dtype = _DTYPES[config.dtype]
     weights: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    files = weight_files(model_dir)
-    for path in (progress(files, "Loading weights") if progress else files):
-        for hf_name, tensor in iter_file_tensors(path):
-            name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-            if _IGNORED.fullmatch(name):
-                continue
-            if m := _EXPERT.fullmatch(name):
-                experts.setdefault((int(m[1]), _EXPERT_NAMES[m[3]]), {})[int(m[2])] = tensor.to(dtype)
-            elif m := _FUSED_EXPERTS.fullmatch(name):
-                weights.update(_split_fused_experts(int(m[1]), m[2], tensor.to(dtype)))
-            else:
-                weights[_rename(name, hf_name, path)] = tensor.to(dtype)
+    for hf_name, tensor, path in tensors:
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        if _IGNORED.fullmatch(name):
+            continue
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault((int(m[1]), _EXPERT_NAMES[m[3]]), {})[int(m[2])] = tensor.to(dtype)
+        elif m := _FUSED_EXPERTS.fullmatch(name):
+            weights.update(_split_fused_experts(int(m[1]), m[2], tensor.to(dtype)))
+        else:
+            weights[_rename(name, hf_name, path)] = tensor.to(dtype)
     for (layer, kind), per_expert in experts.items():
         weights[f"layers.{layer}.moe.{kind}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
     if config.tie_word_embeddings:

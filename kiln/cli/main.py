@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -68,6 +69,27 @@ def _demo_parser(sub) -> None:
     p.set_defaults(handler=cmd_demo)
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="throughput or latency of an engine (or a random-weight model of a real shape)")
+    p.add_argument("mode", choices=("throughput", "latency"))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="a built engine")
+    src.add_argument("--model", help="random weights of a named shape: llama-3.1-8b, llama-3.1-70b, mixtral-8x7b, "
+                                     "smollm2-135m (built on the device in seconds)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
+    p.add_argument("--num_requests", type=int, default=512, help="throughput: requests (latency: iterations)")
+    p.add_argument("--input_len", type=int, default=128)
+    p.add_argument("--output_len", type=int, default=128)
+    p.add_argument("--input_spread", type=float, default=0.0, help="input lengths drawn within ±spread×input_len")
+    p.add_argument("--request_rate", type=float, help="requests per second (Poisson); default: all at once")
+    p.add_argument("--max_batch_size", type=int, help="engine limit for --model builds (throughput default 512)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
+    p.add_argument("--baseline", choices=("hf",), help="also run transformers generate on the same shape")
+    p.set_defaults(handler=cmd_bench)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
     add_build_args(sub.add_parser("build", help="Kiln checkpoint (or HF model, or YAML) → engine"))
     _run_parser(sub)
     _demo_parser(sub)
+    _bench_parser(sub)
     return p
 
 
@@ -187,6 +210,69 @@ def cmd_demo(args) -> None:
         build(model, BuildConfig(max_batch_size=8, max_input_len=1024, max_seq_len=2048)).save(work / "engine")
         print(f"3. run the engine {work / 'engine'}", file=sys.stderr)
         _chat(LLM(work / "engine", device=args.device), args)
+
+
+def cmd_bench(args) -> None:
+    import torch
+
+    from kiln import LLM, Engine
+    from kiln import benchmark as bench
+
+    device = torch.device(args.device)
+    if args.engine_dir:
+        engine = Engine.from_dir(args.engine_dir, device=device)
+        name, dtype = args.engine_dir, engine.pretrained_config.dtype
+    else:
+        build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
+        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device))
+        name, dtype = args.model, args.dtype
+    hw = bench.Hardware.measure(device, getattr(torch, dtype))
+    with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json) as llm:
+        vocab = engine.pretrained_config.vocab_size
+        if args.mode == "latency":
+            outputs, elapsed = [], 0.0
+            for i, prompt in enumerate(bench.random_prompts(1 + args.num_requests, args.input_len, vocab)):
+                out, seconds = bench.run_requests(llm, [prompt], args.output_len)
+                if i:                                        # the first request warms up
+                    outputs += out
+                    elapsed += seconds
+            result = bench.summarize("latency", name, dtype, outputs, elapsed, args.input_len, args.output_len)
+            bench.decode_limit_pct(result, engine, hw)
+        else:
+            bench.run_requests(llm, bench.random_prompts(8, args.input_len, vocab, seed=1), 8)      # warm-up
+            prompts = bench.random_prompts(args.num_requests, args.input_len, vocab, spread=args.input_spread)
+            outputs, elapsed = bench.run_requests(llm, prompts, args.output_len, args.request_rate)
+            result = bench.summarize("throughput", name, dtype, outputs, elapsed, args.input_len, args.output_len)
+            bench.throughput_limit_pct(result, engine, hw)
+    print(bench.to_json(result) if args.json else result.table())
+    if args.plot:
+        _plot(outputs, args.plot)
+    if args.baseline == "hf":
+        del engine, llm
+        if args.engine_dir:
+            raise ValueError("--baseline hf needs --model (a named shape)")
+        batch = 1 if args.mode == "latency" else min(args.num_requests, 64)
+        base = bench.hf_baseline(args.model, args.dtype, batch, args.input_len, args.output_len, str(device))
+        print(json.dumps(base) if args.json else f"transformers baseline (batch {batch}): "
+                                                 f"{base['output_tok_s']:,.1f} output tok/s")
+
+
+def _plot(outputs, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    ttft = sorted(o.metrics.time_to_first_token * 1e3 for o in outputs)
+    e2e = sorted(o.metrics.e2e_latency * 1e3 for o in outputs)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for values, label in ((ttft, "time to first token"), (e2e, "end-to-end latency")):
+        ax.plot(values, [i / len(values) for i in range(len(values))], label=label)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ class PluginConfig:
     """Tokens per KV-cache block (a power of two)."""
     use_paged_context_fmha: bool = False
     """Context attention reads earlier tokens from the paged cache (needed by block reuse and chunked context)."""
-    multi_block_mode: bool = False
-    """Split long-context generation attention along the sequence (GPU kernel option)."""
+    multi_block_mode: bool = True
+    """Split generation attention along the sequence (512 tokens per program) so long contexts use the whole
+    GPU; off, one program covers a sequence's whole cache."""
     use_custom_all_reduce: bool = False
     """Custom all-reduce kernel for tensor parallelism."""
     use_fp8_all_reduce: bool = False
@@ -49,8 +50,7 @@ class PluginConfig:
         require(self.tokens_per_block & (self.tokens_per_block - 1) == 0,
                 f"PluginConfig.tokens_per_block={self.tokens_per_block} must be a power of two")
         reject_unsupported(self, ["remove_input_padding", "paged_kv_cache"], "Kiln always uses packed, paged inputs")
-        reject_unsupported(self, ["multi_block_mode", "use_fp8_context_fmha", "use_fp8_cast_plugin"],
-                           "the GPU kernels are not implemented yet")
+        reject_unsupported(self, ["use_fp8_context_fmha", "use_fp8_cast_plugin"], "FP8 is not implemented yet")
         reject_unsupported(self, ["use_custom_all_reduce", "use_fp8_all_reduce"], "multi-GPU is not implemented yet")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
         reject_unsupported(self, ["lora_plugin"], "LoRA is not implemented yet")

@@ -1,6 +1,73 @@
-"""Kernels. `reference` (pure torch) is the CPU path and the oracle; fast kernels plug in here, chosen once."""
-from . import reference as ops
+"""Kernels, chosen once when a network is loaded: `ReferenceOps` (pure torch: the CPU path and the oracle)
+or `TritonOps` (NVIDIA GPUs). Both offer the same operations on the same shapes."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import reference
 from .metadata import AttentionMetadata
 from .rotary import rope_cos_sin, rope_inv_freq
 
-__all__ = ["AttentionMetadata", "ops", "rope_cos_sin", "rope_inv_freq"]
+
+class ReferenceOps:
+    name = "reference"
+    rms_norm = staticmethod(reference.rms_norm)
+    add_rms_norm = staticmethod(reference.add_rms_norm)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
+    moe = staticmethod(reference.moe)
+
+    @staticmethod
+    def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
+        """Rotate q, k of the fused projection (T, (H + 2KH) D), write k, v to the cache; return q (T, H, D)."""
+        t = qkv.shape[0]
+        if "cos_sin" not in meta.scratch:                      # one gather per step, shared by all layers
+            meta.scratch["cos_sin"] = cos_sin[positions].unsqueeze(1)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = reference.rotary(q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), positions,
+                                meta.scratch["cos_sin"])
+        reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping)
+        return q
+
+    @staticmethod
+    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window)
+
+
+class TritonOps(ReferenceOps):
+    name = "triton"
+
+    def __init__(self, context_fmha: bool = True):
+        from . import triton_kernels
+
+        self._k = triton_kernels
+        self.context_fmha = context_fmha
+        self.rms_norm = triton_kernels.rms_norm
+        self.add_rms_norm = triton_kernels.add_rms_norm
+        self.silu_and_mul = triton_kernels.silu_and_mul
+
+    def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
+        return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+        if meta.max_query_len > 1 and not self.context_fmha:
+            return reference.paged_attention(q, kv_cache, meta, scale, sliding_window)
+        return self._k.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
+                                       part_blocks=meta.part_blocks)
+
+
+def select_ops(device: torch.device | str, context_fmha: bool = True):
+    """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced."""
+    if torch.device(device).type != "cuda":
+        return ReferenceOps()
+    try:
+        return TritonOps(context_fmha)
+    except ImportError as err:
+        print(f"kiln: Triton is not available ({err}); using the reference kernels on the GPU", file=sys.stderr)
+        return ReferenceOps()
+
+
+__all__ = ["AttentionMetadata", "ReferenceOps", "TritonOps", "reference", "rope_cos_sin", "rope_inv_freq",
+           "select_ops"]

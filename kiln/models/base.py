@@ -7,6 +7,7 @@ import torch
 
 from kiln.checkpoint import (check_weights, checkpoint_shapes, load_checkpoint, read_source_config,
                              read_source_weights, save_checkpoint)
+from kiln.checkpoint.hf import config_from_hf_dict, convert_hf_tensors
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
 from kiln.utils.steps import StepLog, progress
 
@@ -30,11 +31,14 @@ class PretrainedModel:
     def from_hugging_face(cls, model_dir: str | Path, dtype: str = "auto", mapping: Mapping | None = None,
                           quant_config: QuantConfig | None = None, convert_config: ConvertConfig | None = None,
                           quiet: bool = False):
-        """Load an HF model directory (safetensors or .bin, sharded or not) or a GGUF file (dequantised)."""
+        """Load an HF model directory (safetensors or .bin, sharded or not), a GGUF file (dequantised), or an
+        in-memory transformers model (its tensors are used as they are, on their device)."""
         mapping, quant_config = mapping or Mapping(), quant_config or QuantConfig()
         if mapping.world_size > 1:
             raise ValueError(f"tensor/pipeline parallelism (tp_size={mapping.tp_size}, pp_size={mapping.pp_size}) "
                              "is not supported by Kiln yet")
+        if hasattr(model_dir, "state_dict") and hasattr(model_dir, "config"):
+            return cls._from_transformers_model(model_dir, dtype)
         log = StepLog("Load", 2, quiet)
         with log.step(f"Read the model config of {model_dir}"):
             config = read_source_config(model_dir, dtype)
@@ -48,6 +52,17 @@ class PretrainedModel:
         return model
 
     from_pretrained = from_hugging_face
+
+    @classmethod
+    def _from_transformers_model(cls, hf_model, dtype: str):
+        raw = hf_model.config.to_dict()
+        raw["architectures"] = raw.get("architectures") or [type(hf_model).__name__]
+        if dtype == "auto":
+            dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+        config = config_from_hf_dict(raw, dtype, f"{type(hf_model).__name__} config")
+        state = hf_model.state_dict()
+        weights = convert_hf_tensors(((name, t, "state_dict") for name, t in state.items()), config)
+        return cls(config, weights, source=type(hf_model).__name__)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0):

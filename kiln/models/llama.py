@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import PretrainedConfig
-from kiln.kernels import AttentionMetadata, ops, rope_cos_sin
+from kiln.kernels import AttentionMetadata, ReferenceOps, reference, rope_cos_sin, select_ops
 
 from .base import PretrainedModel
 
 
 class RMSNorm(nn.Module):
+    ops = ReferenceOps  # the kernels; DecoderForCausalLM.load sets the device's choice on every module
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
@@ -23,11 +25,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual=None):
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
+    ops = ReferenceOps
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -39,26 +43,27 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                          self.kv_heads * self.head_dim], dim=-1)
-        q, k = ops.rotary(q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim),
-                          positions, cos_sin)                                     # (T, H, D), (T, KH, D)
-        ops.write_kv(k, v.view(t, self.kv_heads, self.head_dim), kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)  # (T, H, D)
+        q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache,
+                                    self.heads, self.kv_heads, self.head_dim)          # (T, H, D); k, v cached
+        out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window)  # (T, H, D)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):
+    ops = ReferenceOps
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
+    ops = ReferenceOps
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         e, h, i = config.moe_num_experts, config.hidden_size, config.intermediate_size
@@ -68,7 +73,7 @@ class MoE(nn.Module):
         self.top_k, self.renormalize = config.moe_top_k, config.moe_renorm_mode == 1
 
     def forward(self, x):
-        return ops.moe(x, self.router.weight, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+        return self.ops.moe(x, self.router.weight, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
 
 
 class DecoderLayer(nn.Module):
@@ -103,8 +108,8 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def load(cls, config: PretrainedConfig, weights: dict[str, torch.Tensor], max_seq_len: int,
-             device: torch.device | str = "cpu") -> "DecoderForCausalLM":
-        """Build on the meta device and adopt `weights` (engine layout) without copying them."""
+             device: torch.device | str = "cpu", ops=None) -> "DecoderForCausalLM":
+        """Build on the meta device, adopt `weights` (engine layout) without copying them, pick the kernels."""
         with torch.device("meta"):
             net = cls(config)
         try:
@@ -113,15 +118,18 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"engine weights do not match the engine's config: {err}") from None
         net.cos_sin = rope_cos_sin(max_seq_len, config.head_dim, config.rotary_base, config.rope_scaling).to(device)
         if torch.device(device).type == "cpu":
-            ops.use_cpu_weight_layout(net)
+            reference.use_cpu_weight_layout(net)
+        net.ops = ops or select_ops(device)
+        for module in net.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = net.ops
         return net.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None                      # (T, hidden)
-        cos_sin = self.cos_sin[positions].unsqueeze(1)                         # (T, 1, head_dim), shared by layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv_cache, cos_sin)
+            x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,29 +12,37 @@ from .request import Request
 from .scheduler import Scheduler
 
 
-def plan_kv_blocks(engine: Engine, kv_config: KvCacheConfig, device: torch.device) -> tuple[int, str]:
-    """Number of KV-cache blocks, and a one-line account of how it was chosen."""
-    config, build = engine.pretrained_config, engine.build_config
+def activation_bytes(engine: Engine) -> int:
+    """A generous estimate of the largest step's temporaries: hidden states, q/k/v, the MLP, and logits."""
+    c, b = engine.pretrained_config, engine.build_config
+    per_token = 8 * c.hidden_size + 4 * c.intermediate_size * max(1, c.moe_top_k) + 2 * c.num_attention_heads * c.head_dim
+    logits = max(b.max_num_tokens if b.gather_context_logits else 0, b.max_batch_size * b.max_beam_width) * c.vocab_size
+    return b.max_num_tokens * per_token * getattr(torch, c.dtype).itemsize + 3 * logits * 4
+
+
+def plan_kv_blocks(engine: Engine, kv_config: KvCacheConfig, device: torch.device, bytes_per_token: int) -> tuple[int, str]:
+    """Number of KV-cache blocks (on a GPU: after the weights are loaded), and a one-line account of it."""
+    build = engine.build_config
     tpb = build.plugin_config.tokens_per_block
-    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                       * getattr(torch, config.dtype).itemsize)
-    want = build.max_batch_size * build.max_beam_width * build.max_seq_len
+    need = -(-build.max_seq_len // tpb)
+    want = build.max_batch_size * build.max_beam_width * need * tpb
     if kv_config.max_tokens is not None:
         want = min(want, kv_config.max_tokens)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * kv_config.free_gpu_memory_fraction)
-        where = f"{kv_config.free_gpu_memory_fraction:.0%} of free GPU memory"
+        activations = activation_bytes(engine)
+        budget = int(max(0, free - activations) * kv_config.free_gpu_memory_fraction)
+        where = (f"{kv_config.free_gpu_memory_fraction:.0%} of the {free / 2**30:.1f} GiB free after weights, "
+                 f"less {activations / 2**30:.1f} GiB for activations")
     else:
         budget, where = kv_config.host_cache_bytes, "host_cache_bytes"
     blocks = min(want, budget // bytes_per_token) // tpb
-    need = -(-build.max_seq_len // tpb)
     if blocks < need:
         raise ValueError(f"the KV cache fits {blocks} blocks ({where}: {budget / 2**20:.0f} MiB, "
                          f"max_tokens={kv_config.max_tokens}), but one max_seq_len={build.max_seq_len} sequence "
                          f"needs {need}; give it more memory or lower max_seq_len")
     line = (f"KV cache: {blocks} blocks × {tpb} tokens = {blocks * tpb} tokens, "
-            f"{blocks * tpb * bytes_per_token / 2**20:.0f} MiB (limit: {where}, {want} tokens wanted)")
+            f"{blocks * tpb * bytes_per_token / 2**20:.0f} MiB (limit: {where}; {want} tokens wanted)")
     return blocks, line
 
 
@@ -45,11 +53,13 @@ class EngineCore:
                  scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
                  enable_chunked_context: bool = False, normalize_log_probs: bool = False):
         build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
-        num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device)
+        self.runner = ModelRunner(engine, device, normalize_log_probs)
+        num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device, self.runner.kv_bytes_per_token)
+        self.runner.allocate_kv(num_blocks)
+        self.runner.capture_graphs()
         self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block, kv_config.enable_block_reuse)
         self.scheduler = Scheduler(self.kv, build.max_batch_size, build.max_num_tokens, scheduler_policy,
                                    enable_chunked_context)
-        self.runner = ModelRunner(engine, num_blocks, device, normalize_log_probs)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -1,5 +1,6 @@
-"""The only place the runtime touches tensors: copies KV blocks, packs a step's inputs, runs the network,
-keeps each finished sequence's last logits until its siblings are done, and samples."""
+"""The only place the runtime touches tensors: copies KV blocks, packs a step's inputs, runs the network (a CUDA
+graph for one-token steps on a GPU), keeps each finished sequence's last logits until its siblings are done,
+and samples — greedy requests in one batched argmax, with one device-to-host copy per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,13 +8,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.builder import Engine
-from kiln.kernels import AttentionMetadata
+from kiln.kernels import AttentionMetadata, select_ops
 from kiln.models import model_class
 
 from . import sampler
 from .beam_search import beams_to_keep
-from .request import Request
+from .request import Request, Sequence
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
+
+PARTITION_BLOCKS_TOKENS = 512  # multi_block_mode: each decode-attention program covers this many tokens
 
 
 @dataclass
@@ -25,23 +28,53 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, engine: Engine, num_blocks: int, device: torch.device, normalize_log_probs: bool = False,
-                 rank: int = 0):
+    def __init__(self, engine: Engine, device: torch.device, normalize_log_probs: bool = False, rank: int = 0):
         config, build = engine.pretrained_config, engine.build_config
-        self.device, self.normalize_log_probs = device, normalize_log_probs
-        self.net = model_class(config.architecture).network_class.load(config, engine.weights[rank],
-                                                                      build.max_seq_len, device)
-        self.tokens_per_block = build.plugin_config.tokens_per_block
+        self.config, self.device, self.normalize_log_probs = config, device, normalize_log_probs
+        plugins = build.plugin_config
+        self.net = model_class(config.architecture).network_class.load(
+            config, engine.weights[rank], build.max_seq_len, device, ops=select_ops(device, plugins.context_fmha))
+        self.tokens_per_block = plugins.tokens_per_block
+        self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
+        self.part_blocks = None
+        if plugins.multi_block_mode:
+            self.part_blocks = max(1, PARTITION_BLOCKS_TOKENS // self.tokens_per_block)
         self.gather_context_logits = build.gather_context_logits
         self.gather_generation_logits = build.gather_generation_logits
-        shape = (2, num_blocks, self.tokens_per_block, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=getattr(torch, config.dtype), device=device)
-                          for _ in range(config.num_hidden_layers)]
+        self.max_decode_batch = build.max_batch_size * build.max_beam_width
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None
         self.generators: dict[tuple[int, int], torch.Generator] = {}
         self.last_logits: dict[int, torch.Tensor] = {}     # seq id → (V,) logits of its last computed token
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * getattr(torch, c.dtype).itemsize
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (2, num_blocks, self.tokens_per_block, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=getattr(torch, c.dtype), device=self.device)
+                          for _ in range(c.num_hidden_layers)]
+
+    def capture_graphs(self) -> None:
+        """One CUDA graph per decode batch bucket (GPU with the Triton kernels only)."""
+        if self.device.type != "cuda" or self.net.ops.name != "triton":
+            return
+        from .cuda_graphs import CudaGraphs
+        with torch.inference_mode():
+            self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
+                                     self.max_blocks_per_seq * self.tokens_per_block, self.tokens_per_block,
+                                     *self._parts(self.max_blocks_per_seq))
+
+    def _parts(self, blocks: int) -> tuple[int, int | None]:
+        if self.part_blocks is None:
+            return 1, None
+        return -(-blocks // self.part_blocks), self.part_blocks
+
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput):
         ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
@@ -55,13 +88,7 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), query_start_loc=self._tensor(starts),
-                                 seq_lens=self._tensor(seq_lens),
-                                 block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                                 max_query_len=max(n for _, _, n in out.scheduled), max_seq_len=max(seq_lens),
-                                 tokens_per_block=bs)
-        return self._tensor(ids), self._tensor(positions), meta, starts
+        return ids, positions, slots, starts, seq_lens, tables
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -72,17 +99,32 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[ModelStepOutput, StepLogits]:
         self._copy_blocks(out.block_copies)
-        input_ids, positions, meta, starts = self._prepare(out)
-        hidden = self.net(input_ids, positions, meta, self.kv_caches)                   # (T, hidden)
+        ids, positions, slots, starts, seq_lens, tables = self._prepare(out)
         gathered = StepLogits()
-        done = [(i, seq) for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
-        if done:
-            rows = self.net.compute_logits(hidden[self._tensor([starts[i + 1] - 1 for i, _ in done])])  # (B, V)
-            for (_, seq), row in zip(done, rows):
-                self.last_logits[seq.seq_id] = row
+        one_token = (len(ids) == len(out.scheduled) and not self.gather_context_logits
+                     and all(seq.num_computed_tokens + 1 == seq.num_tokens for _, seq, _ in out.scheduled))
+        if one_token and self.graphs is not None and self.graphs.fits(len(ids)):
+            rows = self.graphs.run(ids, positions, slots, seq_lens, tables)               # (B, V)
+            done = [seq for _, seq, _ in out.scheduled]
+        else:
+            rows, done = self._run_eager(out, ids, positions, slots, starts, seq_lens, tables, gathered)
+        return self._sample(out, rows, done, gathered), gathered
+
+    def _run_eager(self, out, ids, positions, slots, starts, seq_lens, tables, gathered):
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), query_start_loc=self._tensor(starts),
+                                 seq_lens=self._tensor(seq_lens),
+                                 block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                                 max_query_len=max(n for _, _, n in out.scheduled), max_seq_len=max(seq_lens),
+                                 tokens_per_block=self.tokens_per_block)
+        if meta.max_query_len == 1:
+            meta.num_parts, meta.part_blocks = self._parts(width)
+        hidden = self.net(self._tensor(ids), self._tensor(positions), meta, self.kv_caches)     # (T, hidden)
         if self.gather_context_logits:
             self._gather_context(out, hidden, starts, gathered)
-        return self._sample(out, gathered), gathered
+        ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+        rows = self.net.compute_logits(hidden[self._tensor([starts[i + 1] - 1 for i in ends])]) if ends else None
+        return rows, [out.scheduled[i][1] for i in ends]
 
     def _gather_context(self, out, hidden, starts, gathered: StepLogits) -> None:
         for i, (request, seq, n) in enumerate(out.scheduled):
@@ -91,19 +133,45 @@ class ModelRunner:
                 count = min(n, prompt_left)
                 gathered.context[request.request_id] = self.net.compute_logits(hidden[starts[i]:starts[i] + count]).cpu()
 
-    def _sample(self, out: SchedulerOutput, gathered: StepLogits) -> ModelStepOutput:
+    # --- sampling -----------------------------------------------------------------------------------------
+    def _sample(self, out: SchedulerOutput, rows: torch.Tensor | None, done: list[Sequence],
+                gathered: StepLogits) -> ModelStepOutput:
         result = ModelStepOutput()
-        for request in {id(r): r for r, _, _ in out.scheduled}.values():
-            if not all(seq.seq_id in self.last_logits for seq in request.seqs):
-                continue                                   # a sibling is still being computed
-            rows = torch.stack([self.last_logits.pop(seq.seq_id) for seq in request.seqs])
-            if request.sampling.use_beam_search:
-                result.beam_candidates[request.request_id] = sampler.beam_candidates(rows, request, beams_to_keep(request))
+        if rows is None:
+            return result
+        row_of = {seq.seq_id: i for i, seq in enumerate(done)}
+        requests = list({id(r): r for r, _, _ in out.scheduled}.values())
+        simple = [r for r in requests if self._simple(r, row_of)]
+        if simple:                                    # batched greedy: one argmax, one copy to the host
+            picks = rows[self._tensor([row_of[r.seqs[0].seq_id] for r in simple])].argmax(dim=-1).tolist()
+            for request, token in zip(simple, picks):
+                result.tokens[request.request_id] = [SampledToken(0, token)]
+        simple_ids = {id(r) for r in simple}
+        for request in requests:
+            if id(request) in simple_ids:
                 continue
-            if self.gather_generation_logits:
-                gathered.generation[request.request_id] = rows[0].cpu()
-            result.tokens[request.request_id] = self._choose(request, rows)
+            for seq in request.seqs:
+                if seq.seq_id in row_of:
+                    self.last_logits[seq.seq_id] = rows[row_of[seq.seq_id]].clone()   # rows may be a graph's buffer
+            if not all(seq.seq_id in self.last_logits for seq in request.seqs):
+                continue                              # a sibling is still being computed
+            own = torch.stack([self.last_logits.pop(seq.seq_id) for seq in request.seqs])
+            if request.sampling.use_beam_search:
+                result.beam_candidates[request.request_id] = sampler.beam_candidates(own, request, beams_to_keep(request))
+            else:
+                result.tokens[request.request_id] = self._choose(request, own)
+        if self.gather_generation_logits:
+            for request in requests:
+                if request.seqs and request.seqs[0].seq_id in row_of and request.request_id in result.tokens:
+                    gathered.generation[request.request_id] = rows[row_of[request.seqs[0].seq_id]].cpu()
         return result
+
+    def _simple(self, request: Request, row_of: dict[int, int]) -> bool:
+        """Greedy, one sequence computed this step, nothing that looks at the logits but an argmax."""
+        sampling, seqs = request.sampling, request.seqs
+        return (len(seqs) == 1 and seqs[0].seq_id in row_of and sampling.greedy and sampling.num_sequences == 1
+                and not sampling.has_penalties and sampling.logprobs is None
+                and (seqs[0].num_output_tokens >= sampling.min_tokens or not request.stop_ids))
 
     def _choose(self, request: Request, rows: torch.Tensor) -> list[SampledToken]:
         sampling, seqs = request.sampling, request.seqs
@@ -141,3 +209,4 @@ class ModelRunner:
         self.forget_logits(request)
         for key in [k for k in self.generators if k[0] == request.request_id]:
             del self.generators[key]
+

@@ -1,0 +1,150 @@
+"""One GPU run: checks, then times many variants (GPU time is scarce). Prints a table; JSON to $OUT/suite.json.
+
+    python3 benchmarks/gpu_suite.py --phases tests,latency,throughput [--quick]
+
+Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughput (8B bf16, 128/128 and the
+long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
+profile (torch profiler over decode steps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kiln import LLM, SamplingConfig  # noqa: E402
+from kiln import benchmark as bench  # noqa: E402
+
+RESULTS: dict = {}
+OUT = os.environ.get("OUT", "/tmp")
+
+
+def log(key, value):
+    RESULTS[key] = value
+    print(f"{key:48s} {json.dumps(value) if not isinstance(value, str) else value}", flush=True)
+
+
+def phase(fn):
+    def run(args):
+        start = time.time()
+        try:
+            fn(args)
+        except Exception:  # noqa: BLE001 - one failing phase must not hide the others
+            log(f"{fn.__name__}_error", traceback.format_exc()[-2000:])
+        log(f"{fn.__name__}_seconds", round(time.time() - start, 1))
+        torch.cuda.empty_cache()
+    return run
+
+
+@phase
+def env(args):
+    log("gpu", torch.cuda.get_device_name(0))
+    log("torch", torch.__version__)
+    import triton
+    log("triton", triton.__version__)
+    hw = bench.Hardware.measure(torch.device("cuda"))
+    log("copy_TBps", round(hw.copy_bytes_per_s / 1e12, 2))
+    log("gemm_TFLOPs", round(hw.gemm_flops / 1e12, 1))
+
+
+@phase
+def tests(args):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x", "tests/test_gpu.py", "-p",
+                           "no:cacheprovider"], capture_output=True, text=True, timeout=args.test_timeout)
+    log("gpu_tests_tail", proc.stdout[-3000:] + proc.stderr[-2000:])
+    log("gpu_tests_rc", proc.returncode)
+
+
+def _llm(mode, input_len, output_len, max_batch):
+    build = bench.default_bench_build(mode, input_len, output_len, max_batch)
+    t0 = time.time()
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build)
+    t1 = time.time()
+    llm = LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda")
+    log(f"{mode}_{input_len}_{output_len}_build_s", round(t1 - t0, 1))
+    log(f"{mode}_{input_len}_{output_len}_llm_init_s", round(time.time() - t1, 1))
+    return engine, llm
+
+
+@phase
+def latency(args):
+    engine, llm = _llm("latency", 128, 128, 1)
+    hw = bench.Hardware.measure(torch.device("cuda"))
+    outputs, elapsed = [], 0.0
+    for i, prompt in enumerate(bench.random_prompts(4, 128, 128000)):
+        out, seconds = bench.run_requests(llm, [prompt], 128)
+        if i:
+            outputs += out
+            elapsed += seconds
+    result = bench.summarize("latency", "llama-3.1-8b", "bfloat16", outputs, elapsed, 128, 128)
+    bench.decode_limit_pct(result, engine, hw)
+    log("latency_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
+    log("latency_bs1_ttft_ms", round(result.ttft_ms["p50"], 1))
+    log("latency_pct_of_roofline", round(result.hardware_limit_pct or 0, 1))
+    if args.profile:
+        _profile_decode(llm, "latency")
+    llm.shutdown()
+
+
+def _profile_decode(llm, name):
+    from torch.profiler import ProfilerActivity, profile
+    prompt = bench.random_prompts(1, 128, 128000, seed=5)[0]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, SamplingConfig(max_new_tokens=16, end_id=-1))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    with open(os.path.join(OUT, f"profile_{name}.txt"), "w") as f:
+        f.write(table)
+    print(table[:6000])
+
+
+@phase
+def throughput(args):
+    shapes = [(128, 128, args.requests)]
+    if not args.quick:
+        shapes += [(2048, 128, 256), (128, 2048, 256), (2048, 2048, 128)]
+    for input_len, output_len, num in shapes:
+        engine, llm = _llm("throughput", input_len, output_len, args.max_batch)
+        vocab = engine.pretrained_config.vocab_size
+        bench.run_requests(llm, bench.random_prompts(16, input_len, vocab, seed=1), 8)
+        prompts = bench.random_prompts(num, input_len, vocab)
+        torch.cuda.synchronize()
+        outputs, elapsed = bench.run_requests(llm, prompts, output_len)
+        result = bench.summarize("throughput", "llama-3.1-8b", "bfloat16", outputs, elapsed, input_len, output_len)
+        key = f"throughput_{input_len}_{output_len}"
+        log(f"{key}_out_tok_s", round(result.output_tok_s, 1))
+        log(f"{key}_ttft_p50_ms", round(result.ttft_ms.get("p50", 0), 1))
+        log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
+        log(f"{key}_stats", llm.stats())
+        log(f"{key}_peak_mem_gib", round(result.peak_memory_gib, 1))
+        llm.shutdown()
+        del engine, llm
+        torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--phases", default="tests,latency,throughput")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--max_batch", type=int, default=512)
+    p.add_argument("--test_timeout", type=int, default=400)
+    args = p.parse_args()
+    env(args)
+    for name in args.phases.split(","):
+        if name:
+            globals()[name](args)
+    with open(os.path.join(OUT, "suite.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

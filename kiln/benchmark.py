@@ -1,0 +1,224 @@
+"""`kiln bench`: throughput and latency of an engine, beside the hardware's limits (modelled on trtllm-bench).
+
+Engines come from a directory, or are built on the spot with random weights of a named real shape
+(`llama-3.1-8b`, `llama-3.1-70b`, `mixtral-8x7b`, `smollm2-135m`), like vLLM's dummy weights.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kiln.builder import Engine, build
+from kiln.config import BuildConfig, KvCacheConfig, PretrainedConfig
+from kiln.runtime.sampling import SamplingConfig
+
+LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, norm_epsilon=1e-5,
+                         rotary_base=500000.0, rope_scaling=LLAMA31_ROPE, max_position_embeddings=131072),
+    "llama-3.1-70b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, norm_epsilon=1e-5,
+                          rotary_base=500000.0, rope_scaling=LLAMA31_ROPE, max_position_embeddings=131072),
+    "mixtral-8x7b": dict(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, norm_epsilon=1e-5,
+                         rotary_base=1e6, max_position_embeddings=32768, moe_num_experts=8, moe_top_k=2),
+    "smollm2-135m": dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, norm_epsilon=1e-5,
+                         rotary_base=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+def shape_config(name: str, dtype: str) -> PretrainedConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    return PretrainedConfig(**SHAPES[name], dtype=dtype)
+
+
+def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True) -> Engine:
+    """An engine of a real model's shape with random weights, made on `device` in seconds."""
+    from kiln.models import LlamaForCausalLM
+
+    return build(LlamaForCausalLM.random(shape_config(name, dtype), device=device), build_config, quiet=quiet)
+
+
+@dataclass
+class Hardware:
+    """Measured ceilings of the device: copy bandwidth (bytes read + written) and dense GEMM rate."""
+
+    name: str
+    copy_bytes_per_s: float
+    gemm_flops: float
+
+    @classmethod
+    def measure(cls, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> "Hardware":
+        if device.type != "cuda":
+            return cls("cpu", float("nan"), float("nan"))
+        a = torch.randn(1 << 28, device=device, dtype=dtype)
+        b = torch.empty_like(a)
+        copy_s = _cuda_time(lambda: b.copy_(a), 10)
+        del a, b
+        x = torch.randn(8192, 8192, device=device, dtype=dtype)
+        y = torch.randn_like(x)
+        gemm_s = _cuda_time(lambda: x @ y, 10)
+        del x, y
+        torch.cuda.empty_cache()
+        return cls(torch.cuda.get_device_name(device), 2 * (1 << 28) * 2 / copy_s, 2 * 8192 ** 3 / gemm_s)
+
+
+def _cuda_time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+@dataclass
+class BenchResult:
+    mode: str
+    model: str
+    dtype: str
+    num_requests: int
+    input_len: int
+    output_len: int
+    elapsed_s: float
+    output_tokens: int
+    output_tok_s: float
+    requests_s: float
+    ttft_ms: dict = field(default_factory=dict)
+    tpot_ms: dict = field(default_factory=dict)
+    peak_memory_gib: float = 0.0
+    hardware_limit_pct: float | None = None
+    limit_note: str = ""
+
+    def table(self) -> str:
+        rows = [("mode", self.mode), ("model", f"{self.model} ({self.dtype})"),
+                ("requests", f"{self.num_requests} × {self.input_len} in / {self.output_len} out"),
+                ("output tok/s", f"{self.output_tok_s:,.1f}"), ("requests/s", f"{self.requests_s:.2f}"),
+                ("TTFT ms p50/p90/p99", "/".join(f"{self.ttft_ms.get(p, float('nan')):.1f}" for p in ("p50", "p90", "p99"))),
+                ("TPOT ms p50/p90/p99", "/".join(f"{self.tpot_ms.get(p, float('nan')):.2f}" for p in ("p50", "p90", "p99"))),
+                ("peak memory GiB", f"{self.peak_memory_gib:.1f}")]
+        if self.hardware_limit_pct is not None:
+            rows.append(("% of hardware limit", f"{self.hardware_limit_pct:.1f}% ({self.limit_note})"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
+
+
+def random_prompts(num: int, input_len: int, vocab: int, seed: int = 0, spread: float = 0.0) -> list[list[int]]:
+    """Random token-id prompts; with spread > 0, lengths are drawn uniformly within ±spread of input_len."""
+    rng = random.Random(seed)
+    lengths = [max(1, round(input_len * (1 + rng.uniform(-spread, spread)))) for _ in range(num)]
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def run_requests(llm, prompts: list[list[int]], output_len: int, request_rate: float | None = None, seed: int = 0):
+    """Submit every prompt (all at once, or at a Poisson request rate) and wait for all; returns outputs, seconds."""
+    sampling = SamplingConfig(max_new_tokens=output_len, min_tokens=output_len, end_id=-1)
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    results = []
+    for prompt in prompts:
+        results.append(llm.generate_async(prompt, sampling))
+        if request_rate:
+            time.sleep(rng.expovariate(request_rate))
+    outputs = [r.result() for r in results]
+    return outputs, time.perf_counter() - start
+
+
+def summarize(mode: str, model: str, dtype: str, outputs, elapsed: float, input_len: int, output_len: int) -> BenchResult:
+    tokens = sum(len(o.token_ids) for o in outputs)
+    ttft = [o.metrics.time_to_first_token * 1e3 for o in outputs if o.metrics.time_to_first_token is not None]
+    tpot = [o.metrics.time_per_output_token * 1e3 for o in outputs if o.metrics.time_per_output_token is not None]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return BenchResult(mode, model, dtype, len(outputs), input_len, output_len, elapsed, tokens, tokens / elapsed,
+                       len(outputs) / elapsed, _percentiles(ttft), _percentiles(tpot), peak)
+
+
+def decode_limit_pct(result: BenchResult, engine: Engine, hw: Hardware) -> None:
+    """Batch-1 decode against weight streaming: every step reads all weights once at the measured copy rate."""
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.weights[0].values())
+    best_step_s = weight_bytes / (hw.copy_bytes_per_s / 2)        # copy rate counts bytes read + written
+    tpot = result.tpot_ms.get("p50")
+    if tpot and hw.copy_bytes_per_s == hw.copy_bytes_per_s:       # NaN on the CPU: no limit to compare with
+        result.hardware_limit_pct = 100 * best_step_s / (tpot / 1e3)
+        result.limit_note = f"weights {weight_bytes / 1e9:.1f} GB per step at {hw.copy_bytes_per_s / 2e12:.2f} TB/s read"
+
+
+def throughput_limit_pct(result: BenchResult, engine: Engine, hw: Hardware) -> None:
+    """Throughput against dense GEMM: 2 FLOPs per weight per token (prompt and output tokens)."""
+    if hw.gemm_flops != hw.gemm_flops:
+        return
+    params = sum(t.numel() for name, t in engine.weights[0].items() if "embed_tokens" not in name or
+                 engine.pretrained_config.tie_word_embeddings)
+    flops = 2 * params * result.num_requests * (result.input_len + result.output_len)
+    result.hardware_limit_pct = 100 * (flops / hw.gemm_flops) / result.elapsed_s
+    result.limit_note = f"{flops / 1e15:.2f} PFLOP at {hw.gemm_flops / 1e12:.0f} TFLOP/s measured GEMM"
+
+
+def hf_baseline(model: str, dtype: str, batch: int, input_len: int, output_len: int, device: str = "cuda") -> dict:
+    """transformers generate on the same shape (random weights, eager, dynamic cache), greedy."""
+    import transformers
+
+    shape = SHAPES[model]
+    cls = transformers.MixtralConfig if shape["architecture"] == "MixtralForCausalLM" else transformers.LlamaConfig
+    kwargs = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                  intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                  num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+                  max_position_embeddings=min(shape["max_position_embeddings"], 8192), rms_norm_eps=shape["norm_epsilon"])
+    if shape.get("moe_num_experts"):
+        kwargs.update(num_local_experts=shape["moe_num_experts"], num_experts_per_tok=shape["moe_top_k"])
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(cls(**kwargs)).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(10, shape["vocab_size"], (batch, input_len), device=device)
+
+    def gen(n):
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+
+    gen(4)
+    start = time.perf_counter()
+    gen(output_len)
+    elapsed = time.perf_counter() - start
+    del hf
+    torch.cuda.empty_cache()
+    return {"mode": "hf_baseline", "model": model, "batch": batch, "input_len": input_len, "output_len": output_len,
+            "output_tok_s": batch * output_len / elapsed, "elapsed_s": elapsed}
+
+
+def to_json(result: BenchResult) -> str:
+    return json.dumps(asdict(result))
+
+
+def default_bench_build(mode: str, input_len: int, output_len: int, max_batch_size: int | None) -> BuildConfig:
+    seq = input_len + output_len
+    if mode == "latency":
+        return BuildConfig(max_batch_size=max_batch_size or 1, max_input_len=input_len, max_seq_len=seq)
+    batch = max_batch_size or 512
+    return BuildConfig(max_batch_size=batch, max_input_len=input_len, max_seq_len=seq,
+                       max_num_tokens=max(input_len, min(16384, batch * input_len)))
+
+
+def default_kv_config() -> KvCacheConfig:
+    return KvCacheConfig(free_gpu_memory_fraction=0.9)

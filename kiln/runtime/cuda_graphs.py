@@ -1,0 +1,77 @@
+"""CUDA graphs for generation steps: one graph per batch-size bucket, all sharing one memory pool.
+
+A step qualifies when every scheduled sequence computes exactly one token. Its inputs are copied into static
+buffers (padded rows write nowhere: slot -1, length 0) and the bucket's graph is replayed; the graph covers the
+whole network and the LM head, so a step costs one launch instead of hundreds.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+           640, 768, 896, 1024)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in BUCKETS if b < max_batch]
+    return sizes + [max_batch]
+
+
+class CudaGraphs:
+    def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
+                 tokens_per_block: int, num_parts: int, part_blocks: int | None):
+        device = kv_caches[0].device
+        self.net, self.kv_caches, self.sizes = net, kv_caches, bucket_sizes(max_batch)
+        longs = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.seq_lens = longs(max_batch), longs(max_batch), longs(max_batch)
+        self.slots = longs(max_batch).fill_(-1)
+        self.block_tables = longs(max_batch, max_blocks_per_seq)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
+        self.meta_args = dict(max_query_len=1, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
+                              num_parts=num_parts, part_blocks=part_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):      # largest first: later graphs reuse its pool
+            self._capture(size)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
+                                 self.block_tables[:size], **self.meta_args)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
+        return self.net.compute_logits(hidden)
+
+    def _capture(self, size: int) -> None:
+        for _ in range(2):                                  # compile and warm every kernel outside the capture
+            self._forward(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[size] = self._forward(size)
+        self.graphs[size] = graph
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Logits (n, vocab) of n one-token sequences."""
+        n = len(input_ids)
+        size = next(s for s in self.sizes if s >= n)
+        width = max(len(t) for t in tables)
+        staged = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.int64)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        self.input_ids[:n].copy_(staged[0], non_blocking=True)
+        self.positions[:n].copy_(staged[1], non_blocking=True)
+        self.slots[:n].copy_(staged[2], non_blocking=True)
+        self.seq_lens[:n].copy_(staged[3], non_blocking=True)
+        self.block_tables[:n, :width].copy_(table, non_blocking=True)
+        if size > n:
+            self.slots[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
+        self.graphs[size].replay()
+        return self.logits[size][:n]

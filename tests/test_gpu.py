@@ -1,0 +1,155 @@
+"""GPU suite (`pytest -m gpu`, skipped without a GPU): the Triton kernels against the torch reference on fresh
+random inputs over many shapes, and whole models against transformers and against the CPU path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_hf_configs
+from kiln import LLM, BuildConfig, SamplingConfig
+from kiln.kernels import AttentionMetadata, reference
+from kiln.kernels.rotary import rope_cos_sin
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
+    """Random cache with scattered blocks, and metadata for sequences of (cached, new) tokens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_needed = sum(-(-(c + n) // block) for c, n in seqs)
+    num_blocks = blocks_needed + 7
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g, device=CUDA).to(dtype)
+    order = torch.randperm(num_blocks, device="cpu").tolist()
+    tables, slots, starts = [], [], [0]
+    for cached, new in seqs:
+        table = [order.pop() for _ in range(-(-(cached + new) // block))]
+        tables.append(table)
+        slots += [table[i // block] * block + i % block for i in range(cached, cached + new)]
+        starts.append(starts[-1] + new)
+    width = max(map(len, tables))
+    t = lambda x: torch.tensor(x, device=CUDA)  # noqa: E731
+    meta = AttentionMetadata(t(slots), t(starts), t([c + n for c, n in seqs]),
+                             t([tb + [0] * (width - len(tb)) for tb in tables]), max(n for _, n in seqs),
+                             max(c + n for c, n in seqs), block)
+    q = torch.randn((starts[-1], heads, dim), generator=g, device=CUDA).to(dtype)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (16, 4), (32, 4)])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_paged_attention_kernel(dim, heads, kv_heads, block):
+    from kiln.kernels import triton_kernels as tk
+
+    cases = {"decode": [(1, 1), (37, 1), (1000, 1), (8191, 1), (4099, 1)],
+             "prefill": [(0, 1), (0, 77), (0, 513), (300, 45), (33, 200)]}
+    for name, seqs in cases.items():
+        for window in (None, 100):
+            q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+            ref = reference.paged_attention(q.float(), cache.float(), meta, dim ** -0.5, window)
+            for parts in ((1, 4) if name == "decode" else (1,)):
+                part_blocks = None if parts == 1 else -(-meta.block_tables.shape[1] // parts)
+                out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                         meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_blocks=part_blocks)
+                assert rel_err(out, ref) < 1e-2, (name, window, parts)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 4096), (7, 576), (300, 8192), (33, 5120)])
+def test_norm_activation_and_rope_kernels(rows, cols):
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn((rows, cols), generator=g, device=CUDA).bfloat16()
+    r = torch.randn((rows, cols), generator=g, device=CUDA).bfloat16()
+    w = torch.randn(cols, generator=g, device=CUDA).bfloat16()
+    out, res = tk.add_rms_norm(x, r.clone(), w, 1e-5)
+    ref_out, ref_res = reference.add_rms_norm(x, r, w, 1e-5)
+    assert rel_err(out, ref_out) < 1e-2 and rel_err(res, ref_res) < 1e-2
+    assert rel_err(tk.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)) < 1e-2
+    gate_up = torch.randn((rows, 2 * cols), generator=g, device=CUDA).bfloat16()
+    assert rel_err(tk.silu_and_mul(gate_up), reference.silu_and_mul(gate_up.float())) < 1e-2
+    for heads, kv_heads, dim in ((32, 8, 128), (9, 3, 64)):
+        qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=g, device=CUDA).bfloat16()
+        positions = torch.randint(0, 4000, (rows,), device=CUDA)
+        table = rope_cos_sin(4096, dim, 500000.0, None).to(CUDA)
+        cache = torch.zeros((2, rows + 3, 16, kv_heads, dim), device=CUDA, dtype=torch.bfloat16)
+        ref_cache = cache.clone()
+        slots = torch.randperm((rows + 3) * 16, device=CUDA)[:rows]
+        q = tk.rope_and_cache(qkv, positions, table, cache, slots, heads, kv_heads, dim)
+        qq, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        q_ref, k_ref = reference.rotary(qq.view(rows, heads, dim), k.view(rows, kv_heads, dim), positions, table)
+        reference.write_kv(k_ref, v.view(rows, kv_heads, dim), ref_cache, slots)
+        assert rel_err(q, q_ref) < 1e-2 and rel_err(cache, ref_cache) < 1e-2
+
+
+def test_llama31_8b_shape_logits_match_transformers():
+    import transformers
+
+    from kiln.benchmark import SHAPES
+    from kiln.models import LlamaForCausalLM
+
+    shape = SHAPES["llama-3.1-8b"]
+    rope = {"rope_type": "llama3", "rope_theta": shape["rotary_base"], **{k: v for k, v in shape["rope_scaling"].items()
+                                                                             if k != "type"}}
+    cfg = transformers.LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                                   intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                                   num_attention_heads=shape["num_attention_heads"],
+                                   num_key_value_heads=shape["num_key_value_heads"], rms_norm_eps=1e-5,
+                                   max_position_embeddings=8192, rope_parameters=rope)
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM.from_hugging_face(hf)
+    prompts = [torch.randint(10, 128000, (n,)).tolist() for n in (300, 17)]
+    build = BuildConfig(max_batch_size=4, max_input_len=512, max_seq_len=1024, gather_context_logits=True)
+    with LLM(model, build_config=build, device=CUDA, quiet=True) as llm:
+        outs = llm.generate(prompts, SamplingConfig(max_new_tokens=4, end_id=-1))
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ref = hf(torch.tensor([prompt], device=CUDA)).logits[0].float().cpu()
+            assert rel_err(out.context_logits, ref) < 2e-2
+    del hf, model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama", "mistral", "qwen2"])
+def test_greedy_tokens_equal_the_cpu_path_in_float32(name):
+    import transformers
+
+    from kiln.benchmark import shape_config
+    from kiln.models import LlamaForCausalLM
+
+    if name == "smollm2-135m":
+        model = LlamaForCausalLM.random(shape_config(name, "float32"), seed=1, std=0.05)
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM.from_hugging_face(transformers.AutoModelForCausalLM.from_config(tiny_hf_configs()[name]))
+    prompts = [list(range(3, 3 + n)) for n in (1, 40, 200)]
+    build = BuildConfig(max_batch_size=4, max_input_len=256, max_seq_len=512, plugin_config={"tokens_per_block": 16})
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        with LLM(model, build_config=build, device=device, quiet=True) as llm:
+            tokens[device] = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=24, end_id=-1))]
+    assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_cuda_graph_steps_equal_eager_steps():
+    from kiln.benchmark import shape_config
+    from kiln.models import LlamaForCausalLM
+
+    model = LlamaForCausalLM.random(shape_config("smollm2-135m", "bfloat16"), seed=2, std=0.05)
+    build = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)
+    prompts = [list(range(5, 5 + n)) for n in (3, 50, 100, 7, 129)]
+    with LLM(model, build_config=build, device=CUDA, quiet=True) as llm:
+        assert llm.core.runner.graphs is not None
+        graphed = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=20, end_id=-1))]
+        llm.core.runner.graphs = None
+        eager = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=20, end_id=-1))]
+    assert graphed == eager
