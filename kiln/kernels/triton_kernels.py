@@ -122,9 +122,9 @@ def _paged_attention_kernel(
     qblock = qblock_part // NUM_PARTS
     part = qblock_part % NUM_PARTS
     heads = KV_HEADS * GROUP
-    seq_len = tl.load(seq_lens_ptr + seq)
-    q_start = tl.load(q_start_ptr + seq)
-    q_len = tl.load(q_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    q_start = tl.load(q_start_ptr + seq).to(tl.int32)
+    q_len = tl.load(q_start_ptr + seq + 1).to(tl.int32) - q_start
     if qblock * BLOCK_Q >= q_len:
         return
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
