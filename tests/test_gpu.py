@@ -102,7 +102,7 @@ def test_llama31_8b_shape_logits_match_transformers():
                                    intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
                                    num_attention_heads=shape["num_attention_heads"],
                                    num_key_value_heads=shape["num_key_value_heads"], rms_norm_eps=1e-5,
-                                   max_position_embeddings=8192, rope_parameters=rope)
+                                   max_position_embeddings=131072, rope_parameters=rope)
     torch.manual_seed(0)
     with torch.device(CUDA):
         hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

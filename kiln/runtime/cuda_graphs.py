@@ -24,10 +24,16 @@ class CudaGraphs:
                  tokens_per_block: int, num_parts: int, part_blocks: int | None):
         device = kv_caches[0].device
         self.net, self.kv_caches, self.sizes = net, kv_caches, bucket_sizes(max_batch)
-        longs = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.seq_lens = longs(max_batch), longs(max_batch), longs(max_batch)
-        self.slots = longs(max_batch).fill_(-1)
-        self.block_tables = longs(max_batch, max_blocks_per_seq)
+        # All inputs live in one device buffer, filled by one copy from one pinned host buffer per step:
+        # [input_ids | positions | slots | seq_lens | block_tables (max_batch × max_blocks_per_seq)].
+        self.max_batch, self.width = max_batch, max_blocks_per_seq
+        size = 4 * max_batch + max_batch * max_blocks_per_seq
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        self.host = self.host_buffer.numpy()
+        self.input_ids, self.positions, self.slots, self.seq_lens = self.device_buffer[:4 * max_batch].view(4, max_batch)
+        self.block_tables = self.device_buffer[4 * max_batch:].view(max_batch, max_blocks_per_seq)
+        self.slots.fill_(-1)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.meta_args = dict(max_query_len=1, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
                               num_parts=num_parts, part_blocks=part_blocks)
@@ -60,18 +66,16 @@ class CudaGraphs:
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             tables: list[list[int]]) -> torch.Tensor:
         """Logits (n, vocab) of n one-token sequences."""
-        n = len(input_ids)
+        n, b = len(input_ids), self.max_batch
         size = next(s for s in self.sizes if s >= n)
-        width = max(len(t) for t in tables)
-        staged = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.int64)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        self.input_ids[:n].copy_(staged[0], non_blocking=True)
-        self.positions[:n].copy_(staged[1], non_blocking=True)
-        self.slots[:n].copy_(staged[2], non_blocking=True)
-        self.seq_lens[:n].copy_(staged[3], non_blocking=True)
-        self.block_tables[:n, :width].copy_(table, non_blocking=True)
-        if size > n:
-            self.slots[n:size].fill_(-1)
-            self.seq_lens[n:size].zero_()
+        host = self.host
+        host[0:n], host[b:b + n], host[2 * b:2 * b + n], host[3 * b:3 * b + n] = input_ids, positions, slots, seq_lens
+        host[2 * b + n:2 * b + size] = -1                  # padded rows write nowhere and attend to nothing
+        host[3 * b + n:3 * b + size] = 0
+        table = host[4 * b:].reshape(b, self.width)
+        for row, blocks in enumerate(tables):
+            table[row, :len(blocks)] = blocks
+        used = 4 * b + size * self.width
+        self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:n]

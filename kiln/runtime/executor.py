@@ -185,6 +185,8 @@ class GenerationExecutor:
 
     def _process(self, state: _RequestState) -> None:
         request = state.request
+        if not (request.finished or state.streaming or request.sampling.stop):
+            return                                     # nothing to publish or check yet: decode at the end
         for seq in list(request.seqs) + request.finished_seqs:
             self._detokenize(state, request, seq)
         if request.finished or state.streaming:

@@ -81,6 +81,15 @@ class ModelRunner:
         bs = self.tokens_per_block
         for _, seq, n in out.scheduled:
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if n == 1:                                     # a generating sequence: its one new token
+                blocks = seq.block_ids
+                ids.append(seq.token_ids[begin])
+                positions.append(begin)
+                slots.append(blocks[begin // bs] * bs + begin % bs)
+                starts.append(starts[-1] + 1)
+                seq_lens.append(end)
+                tables.append(blocks)
+                continue
             ids += seq.token_ids[begin:end]
             positions += range(begin, end)
             blocks = seq.block_ids
@@ -143,7 +152,9 @@ class ModelRunner:
         requests = list({id(r): r for r, _, _ in out.scheduled}.values())
         simple = [r for r in requests if self._simple(r, row_of)]
         if simple:                                    # batched greedy: one argmax, one copy to the host
-            picks = rows[self._tensor([row_of[r.seqs[0].seq_id] for r in simple])].argmax(dim=-1).tolist()
+            order = [row_of[r.seqs[0].seq_id] for r in simple]
+            chosen = rows if order == list(range(rows.shape[0])) else rows[self._tensor(order)]
+            picks = chosen.argmax(dim=-1).tolist()
             for request, token in zip(simple, picks):
                 result.tokens[request.request_id] = [SampledToken(0, token)]
         simple_ids = {id(r) for r in simple}

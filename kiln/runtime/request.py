@@ -107,6 +107,7 @@ class Request:
     def __post_init__(self):
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+        self.stop_ids = self.end_ids | frozenset(self.sampling.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,10 +116,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return self.end_ids | frozenset(self.sampling.stop_token_ids)
 
     def all_seqs(self) -> list[Sequence]:
         return self.seqs + self.finished_seqs

@@ -113,7 +113,14 @@ class Scheduler:
         return budget if self.chunked_context or pending > self.max_num_tokens else 0
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
-        for seq in request.seqs:
+        seqs = request.seqs
+        if len(seqs) == 1 and budget > 0:             # the common case: one sequence decoding one token
+            seq = seqs[0]
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed == 1 and computed < len(seq.block_ids) * self.kv.tokens_per_block:
+                out.scheduled.append((request, seq, 1))
+                return budget - 1, False
+        for seq in seqs:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
@@ -180,22 +187,45 @@ class Scheduler:
         """Advance the computed counters, append sampled tokens (forking where needed); return finished requests."""
         for _, seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            self.kv.register_full_blocks(seq)
-        finished = []
-        for request in {id(r): r for r, _, _ in out.scheduled}.values():
-            if request.request_id in result.beam_candidates:
-                running, done = beam_step(request, result.beam_candidates[request.request_id])
+        if self.kv.enable_reuse:
+            for _, seq, _ in out.scheduled:
+                self.kv.register_full_blocks(seq)
+        finished, seen, now = [], set(), time.monotonic()
+        for request, _, _ in out.scheduled:
+            rid = request.request_id
+            if rid in seen:
+                continue
+            seen.add(rid)
+            tokens = result.tokens.get(rid)
+            if tokens is not None:
+                if len(tokens) == 1 and len(request.seqs) == 1 and tokens[0].parent == 0 and tokens[0].sample_index is None:
+                    self._append(request.seqs[0], tokens[0])     # the common case, without forking
+                else:
+                    self._continue(request, tokens)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                self._finish_ended_seqs(request)
+            elif rid in result.beam_candidates:
+                running, done = beam_step(request, result.beam_candidates[rid])
                 if done:
                     self.finish_request(request, request.beam_hypotheses[0].sequence.finish_reason)
                 else:
                     self._continue(request, [SampledToken(c.parent, c.token, TokenLogprob(c.token, c.logprob))
                                              for c in running], cumulative=[c.cumulative_logprob for c in running])
-            elif request.request_id in result.tokens:
-                self._continue(request, result.tokens[request.request_id])
-                self._finish_ended_seqs(request)
+                    if request.first_token_time is None:
+                        request.first_token_time = now
             if request.finished:
                 finished.append(request)
         return finished
+
+    @staticmethod
+    def _append(seq: Sequence, t: SampledToken, cumulative: float | None = None) -> None:
+        seq.token_ids.append(t.token)
+        if t.sample_index is not None:
+            seq.sample_index = t.sample_index
+        if t.logprob is not None:
+            seq.logprobs.append(t.logprob)
+            seq.cumulative_logprob = cumulative if cumulative is not None else seq.cumulative_logprob + t.logprob.logprob
 
     def _continue(self, request: Request, tokens: list[SampledToken], cumulative: list[float] | None = None) -> None:
         parents = request.seqs
@@ -216,23 +246,16 @@ class Scheduler:
                 taken.add(t.parent)
             children.append(child)
         for i, (child, t) in enumerate(zip(children, tokens)):
-            child.token_ids.append(t.token)
-            if t.sample_index is not None:
-                child.sample_index = t.sample_index
-            if t.logprob is not None:
-                child.logprobs.append(t.logprob)
-                child.cumulative_logprob = cumulative[i] if cumulative else child.cumulative_logprob + t.logprob.logprob
+            self._append(child, t, cumulative[i] if cumulative else None)
         request.seqs = children
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
 
     def _finish_ended_seqs(self, request: Request) -> None:
-        limit = request.sampling.max_new_tokens
-        for seq in list(request.seqs):
-            last = seq.token_ids[-1]
-            if last in request.stop_ids and seq.num_output_tokens >= request.sampling.min_tokens:
+        sampling = request.sampling
+        for seq in list(request.seqs) if len(request.seqs) > 1 else request.seqs[:1]:
+            generated = len(seq.token_ids) - seq.num_prompt_tokens
+            if seq.token_ids[-1] in request.stop_ids and generated >= sampling.min_tokens:
                 self.finish_seq(request, seq, "stop")
-            elif seq.num_output_tokens >= limit:
+            elif generated >= sampling.max_new_tokens:
                 self.finish_seq(request, seq, "length")
 
     def finish_seq(self, request: Request, seq: Sequence, reason: str) -> None:
