@@ -105,6 +105,42 @@ def _profile_decode(llm, name):
     print(table[:6000])
 
 
+def _profile_throughput(llm, prompts):
+    """Where a big-batch decode step spends its time, on the host and on the GPU."""
+    import cProfile
+    import pstats
+    from torch.profiler import ProfilerActivity, profile
+    results = [llm.generate_async(p, SamplingConfig(max_new_tokens=40, min_tokens=40, end_id=-1)) for p in prompts]
+    while llm.stats()["running_requests"] < len(prompts) or any(r.finished for r in results):
+        time.sleep(0.005)
+        if all(r.finished for r in results):
+            break
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(0.3)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    with open(os.path.join(OUT, "profile_throughput.txt"), "w") as f:
+        f.write(table)
+    print(table[:5000])
+    [r.result() for r in results]
+    core = llm.core
+    reqs = [llm._make_request(p, SamplingConfig(max_new_tokens=24, min_tokens=24, end_id=-1)) for p in prompts]
+    llm.shutdown()                                     # drive the engine from this thread, under cProfile
+    for r in reqs:
+        core.add_request(r)
+    for _ in range(6):
+        core.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    start = time.perf_counter()
+    for _ in range(10):
+        core.step()
+    torch.cuda.synchronize()
+    log("throughput_decode_step_ms_b512", round((time.perf_counter() - start) / 10 * 1e3, 2))
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(18)
+
+
 @phase
 def throughput(args):
     shapes = [(128, 128, args.requests)]
@@ -124,6 +160,9 @@ def throughput(args):
         log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
         log(f"{key}_stats", llm.stats())
         log(f"{key}_peak_mem_gib", round(result.peak_memory_gib, 1))
+        log(f"{key}_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
+        if args.profile and input_len == 128 and output_len == 128:
+            _profile_throughput(llm, prompts[:512])
         llm.shutdown()
         del engine, llm
         torch.cuda.empty_cache()

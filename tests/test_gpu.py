@@ -55,9 +55,9 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
             q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
             ref = reference.paged_attention(q.float(), cache.float(), meta, dim ** -0.5, window)
             for parts in ((1, 4) if name == "decode" else (1,)):
-                part_blocks = None if parts == 1 else -(-meta.block_tables.shape[1] // parts)
+                part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
                 out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                         meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_blocks=part_blocks)
+                                         meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
                 assert rel_err(out, ref) < 1e-2, (name, window, parts)
 
 

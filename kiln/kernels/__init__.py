@@ -55,7 +55,7 @@ class TritonOps(ReferenceOps):
             return reference.paged_attention(q, kv_cache, meta, scale, sliding_window)
         return self._k.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
-                                       part_blocks=meta.part_blocks)
+                                       part_tokens=meta.part_tokens)
 
 
 def select_ops(device: torch.device | str, context_fmha: bool = True):

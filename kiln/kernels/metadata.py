@@ -18,7 +18,7 @@ class AttentionMetadata:
     max_seq_len: int
     tokens_per_block: int
     num_parts: int = 1              # split-K partitions per sequence for decode attention (multi_block_mode)
-    part_blocks: int | None = None  # cache blocks per partition (None: the whole block table)
+    part_tokens: int | None = None  # keys per partition (None: the whole block table)
     scratch: dict = field(default_factory=dict)  # per-step values shared by all layers (built on first use)
 
     @property

@@ -112,10 +112,11 @@ def _paged_attention_kernel(
         q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, scale, window,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, BLOCK_Q: tl.constexpr, PART_BLOCKS: tl.constexpr, NUM_PARTS: tl.constexpr,
-        PRECISION: tl.constexpr):
-    """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the
-    cache blocks of one partition of the sequence (partitions > 1: split-K, merged by _merge_kernel)."""
+        BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
+        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
+    one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
+    table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     qblock_part = tl.program_id(2)
@@ -135,25 +136,26 @@ def _paged_attention_kernel(
     d = tl.arange(0, DIM)
     q_rows = (q_start + token).to(tl.int64) * heads + kv_head * GROUP + g
     q = tl.load(q_ptr + q_rows[:, None] * DIM + d[None, :], mask=row_ok[:, None], other=0.0)
-    last_pos = seq_len - q_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q) - 1
-    n_blocks = tl.cdiv(last_pos + 1, BLOCK_TOKENS)
-    first = part * PART_BLOCKS
-    stop = tl.minimum(first + PART_BLOCKS, n_blocks)
+    end = seq_len - q_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q)  # keys [0, end) can be attended to
+    first = part * PART_TOKENS
+    stop = tl.minimum(first + PART_TOKENS, end)
     if window > 0:
-        lowest = tl.maximum(seq_len - q_len + qblock * BLOCK_Q - window + 1, 0) // BLOCK_TOKENS
-        first = tl.maximum(first, lowest)
+        lowest = tl.maximum(seq_len - q_len + qblock * BLOCK_Q - window + 1, 0)
+        first = tl.maximum(first, (lowest // TILE) * TILE)
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
-    t = tl.arange(0, BLOCK_TOKENS)
-    for b in range(first, stop):
-        block = tl.load(block_tables_ptr + seq.to(tl.int64) * bt_stride + b).to(tl.int64)
-        kv_offsets = ((block * BLOCK_TOKENS + t[:, None]) * KV_HEADS + kv_head) * DIM + d[None, :]
-        k = tl.load(cache_ptr + kv_offsets)
-        v = tl.load(cache_ptr + cache_half + kv_offsets)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_TOKENS)
-        kv_pos = b * BLOCK_TOKENS + t
-        ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+    t = tl.arange(0, TILE)
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    for start in range(first, stop, TILE):
+        kv_pos = start + t
+        in_range = kv_pos < stop
+        block = tl.load(table + kv_pos // BLOCK_TOKENS, mask=in_range, other=0).to(tl.int64)
+        kv_offsets = ((block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head)[:, None] * DIM + d[None, :]
+        k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+        v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
+        ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
             ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
@@ -195,20 +197,19 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
-                    num_parts: int = 1, part_blocks: int | None = None, block_q: int | None = None) -> torch.Tensor:
+                    num_parts: int = 1, part_tokens: int | None = None, tile: int = 64) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
-    num_parts > 1 splits each sequence's blocks over that many programs (multi_block_mode) and merges them;
-    part_blocks is then the number of cache blocks per partition."""
+    num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     group = heads // kv_heads
     group_pad = max(1, triton.next_power_of_2(group))
-    if block_q is None:
-        block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
+    block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
     block_q = max(block_q, triton.cdiv(16, group_pad))                  # tl.dot needs at least 16 rows
-    if part_blocks is None:
-        part_blocks = block_tables.shape[1]
+    if part_tokens is None:
+        part_tokens = block_tables.shape[1] * tokens_per_block
+    part_tokens = triton.cdiv(part_tokens, tile) * tile
     out = torch.empty_like(q)
     if num_parts > 1:
         part_m = torch.empty((tokens * heads * num_parts,), dtype=torch.float32, device=q.device)
@@ -220,8 +221,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     _paged_attention_kernel[grid](
         q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
         part_m, part_l, part_acc, scale, sliding_window or 0, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
-        DIM=dim, BLOCK_TOKENS=tokens_per_block, BLOCK_Q=block_q, PART_BLOCKS=part_blocks, NUM_PARTS=num_parts,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
+        NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)

@@ -20,8 +20,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphs:
-    def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
-                 tokens_per_block: int, num_parts: int, part_blocks: int | None):
+    def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
+                 tokens_per_block: int, parts_for):
+        """parts_for(batch, max_keys) → (num_parts, part_tokens) of decode attention for a bucket."""
         device = kv_caches[0].device
         self.net, self.kv_caches, self.sizes = net, kv_caches, bucket_sizes(max_batch)
         # All inputs live in one device buffer, filled by one copy from one pinned host buffer per step:
@@ -35,8 +36,7 @@ class CudaGraphs:
         self.block_tables = self.device_buffer[4 * max_batch:].view(max_batch, max_blocks_per_seq)
         self.slots.fill_(-1)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
-        self.meta_args = dict(max_query_len=1, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
-                              num_parts=num_parts, part_blocks=part_blocks)
+        self.tokens_per_block, self.parts_for = tokens_per_block, parts_for
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -44,8 +44,11 @@ class CudaGraphs:
             self._capture(size)
 
     def _meta(self, size: int) -> AttentionMetadata:
+        max_keys = self.width * self.tokens_per_block
+        num_parts, part_tokens = self.parts_for(size, max_keys)
         return AttentionMetadata(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
-                                 self.block_tables[:size], **self.meta_args)
+                                 self.block_tables[:size], max_query_len=1, max_seq_len=max_keys,
+                                 tokens_per_block=self.tokens_per_block, num_parts=num_parts, part_tokens=part_tokens)
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size), self.kv_caches)

@@ -16,7 +16,8 @@ from .beam_search import beams_to_keep
 from .request import Request, Sequence
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 
-PARTITION_BLOCKS_TOKENS = 512  # multi_block_mode: each decode-attention program covers this many tokens
+PARTITION_TOKENS = 256   # multi_block_mode: each decode-attention program covers this many keys
+BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200: enough without splitting
 
 
 @dataclass
@@ -36,9 +37,7 @@ class ModelRunner:
             config, engine.weights[rank], build.max_seq_len, device, ops=select_ops(device, plugins.context_fmha))
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
-        self.part_blocks = None
-        if plugins.multi_block_mode:
-            self.part_blocks = max(1, PARTITION_BLOCKS_TOKENS // self.tokens_per_block)
+        self.multi_block_mode = plugins.multi_block_mode
         self.gather_context_logits = build.gather_context_logits
         self.gather_generation_logits = build.gather_generation_logits
         self.max_decode_batch = build.max_batch_size * build.max_beam_width
@@ -65,13 +64,13 @@ class ModelRunner:
         from .cuda_graphs import CudaGraphs
         with torch.inference_mode():
             self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
-                                     self.max_blocks_per_seq * self.tokens_per_block, self.tokens_per_block,
-                                     *self._parts(self.max_blocks_per_seq))
+                                     self.tokens_per_block, self._parts)
 
-    def _parts(self, blocks: int) -> tuple[int, int | None]:
-        if self.part_blocks is None:
+    def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
+        """Split-K partitions for decode attention: only when the batch alone leaves the GPU idle."""
+        if not self.multi_block_mode or batch * self.config.num_key_value_heads >= BUSY_PROGRAMS:
             return 1, None
-        return -(-blocks // self.part_blocks), self.part_blocks
+        return -(-max_keys // PARTITION_TOKENS), PARTITION_TOKENS
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -127,7 +126,7 @@ class ModelRunner:
                                  max_query_len=max(n for _, _, n in out.scheduled), max_seq_len=max(seq_lens),
                                  tokens_per_block=self.tokens_per_block)
         if meta.max_query_len == 1:
-            meta.num_parts, meta.part_blocks = self._parts(width)
+            meta.num_parts, meta.part_tokens = self._parts(len(seq_lens), width * self.tokens_per_block)
         hidden = self.net(self._tensor(ids), self._tensor(positions), meta, self.kv_caches)     # (T, hidden)
         if self.gather_context_logits:
             self._gather_context(out, hidden, starts, gathered)
