@@ -63,6 +63,34 @@ def tests(args):
     log("gpu_tests_rc", proc.returncode)
 
 
+@phase
+def diag(args):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py::test_llama31_8b_shape_logits_match_transformers"],
+                          capture_output=True, text=True, timeout=args.test_timeout)
+    log("diag_8b_logits", "\n".join(line for line in proc.stdout.splitlines() if "vs" in line or "position" in line
+                                   or "passed" in line or "failed" in line))
+
+
+@phase
+def kernels(args):
+    """Matrix-vector products of the 8B shapes: cuBLAS against the streaming Triton kernel."""
+    import triton.testing
+    from kiln.kernels import triton_kernels as tk
+    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                         "lm_head": (128256, 4096)}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median")
+            gemv = triton.testing.do_bench(lambda: tk.linear(x, w), return_mode="median")
+            ref = torch.nn.functional.linear(x.float(), w.float())
+            err = ((tk.linear(x, w).float() - ref).norm() / ref.norm()).item()
+            gbps = lambda ms: n * k * 2 / (ms * 1e-3) / 1e12  # noqa: E731
+            log(f"gemv_{name}_m{m}", f"cublas {cublas * 1e3:.1f}us ({gbps(cublas):.2f} TB/s)  triton {gemv * 1e3:.1f}us "
+                                     f"({gbps(gemv):.2f} TB/s)  err {err:.1e}")
+
+
 def _llm(mode, input_len, output_len, max_batch):
     build = bench.default_bench_build(mode, input_len, output_len, max_batch)
     t0 = time.time()
@@ -144,17 +172,21 @@ def _profile_throughput(llm, prompts):
 @phase
 def throughput(args):
     shapes = [(128, 128, args.requests)]
+    if args.max_batch_sweep:
+        shapes = [(128, 128, args.requests, b) for b in (512, 1024)]
     if not args.quick:
         shapes += [(2048, 128, 256), (128, 2048, 256), (2048, 2048, 128)]
-    for input_len, output_len, num in shapes:
-        engine, llm = _llm("throughput", input_len, output_len, args.max_batch)
+    for shape in shapes:
+        input_len, output_len, num = shape[:3]
+        max_batch = shape[3] if len(shape) > 3 else args.max_batch
+        engine, llm = _llm("throughput", input_len, output_len, max_batch)
         vocab = engine.pretrained_config.vocab_size
         bench.run_requests(llm, bench.random_prompts(16, input_len, vocab, seed=1), 8)
         prompts = bench.random_prompts(num, input_len, vocab)
         torch.cuda.synchronize()
         outputs, elapsed = bench.run_requests(llm, prompts, output_len)
         result = bench.summarize("throughput", "llama-3.1-8b", "bfloat16", outputs, elapsed, input_len, output_len)
-        key = f"throughput_{input_len}_{output_len}"
+        key = f"throughput_{input_len}_{output_len}_b{max_batch}"
         log(f"{key}_out_tok_s", round(result.output_tok_s, 1))
         log(f"{key}_ttft_p50_ms", round(result.ttft_ms.get("p50", 0), 1))
         log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
@@ -175,6 +207,7 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--requests", type=int, default=1024)
     p.add_argument("--max_batch", type=int, default=512)
+    p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
     args = p.parse_args()
     env(args)

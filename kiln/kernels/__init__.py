@@ -17,6 +17,7 @@ class ReferenceOps:
     add_rms_norm = staticmethod(reference.add_rms_norm)
     silu_and_mul = staticmethod(reference.silu_and_mul)
     moe = staticmethod(reference.moe)
+    linear = staticmethod(torch.nn.functional.linear)
 
     @staticmethod
     def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
@@ -46,6 +47,12 @@ class TritonOps(ReferenceOps):
         self.rms_norm = triton_kernels.rms_norm
         self.add_rms_norm = triton_kernels.add_rms_norm
         self.silu_and_mul = triton_kernels.silu_and_mul
+
+    def linear(self, x, weight, bias=None):
+        """Small weights at small batch: the streaming Triton kernel beats cuBLAS's memory bandwidth there."""
+        if weight.numel() <= self._k.GEMV_MAX_WEIGHT:
+            return self._k.linear(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
 
     def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
         return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)

@@ -227,3 +227,42 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)
     return out
+
+
+# --- small-batch matrix-vector products (decoding a few sequences) --------------------------------------------
+@triton.autotune(configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                          for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 4), (8, 1024, 4, 3), (64, 128, 4, 4),
+                                               (16, 256, 2, 4), (32, 512, 8, 3))],
+                 key=["N", "K", "M"])
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (M, N) = x (M, K) @ w (N, K)^T for a handful of rows M: each program streams BLOCK_N rows of w once."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        for m in tl.static_range(M_PAD):
+            x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0)      # x is padded to M_PAD rows
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)     # (BLOCK_N,)
+            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    mask = (rows[:, None] < M) & (n[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+GEMV_MAX_ROWS = 4
+GEMV_MAX_WEIGHT = 32 * 2**20   # elements; larger matrices already stream at full bandwidth through cuBLAS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias): a streaming Triton kernel for up to GEMV_MAX_ROWS rows, cuBLAS otherwise."""
+    if x.shape[0] > GEMV_MAX_ROWS or not weight.is_contiguous() or x.dtype == torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    m, k = x.shape
+    n, m_pad = weight.shape[0], triton.next_power_of_2(m)
+    if m_pad != m:
+        x = torch.cat([x, x.new_zeros(m_pad - m, k)])
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x.contiguous(), weight, out, m, n, k, M_PAD=m_pad)
+    return out if bias is None else out + bias

@@ -43,10 +43,11 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
         t = x.shape[0]
-        q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache,
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q = self.ops.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache,
                                     self.heads, self.kv_heads, self.head_dim)          # (T, H, D); k, v cached
         out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window)  # (T, H, D)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return self.ops.linear(out.reshape(t, self.heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class GatedMLP(nn.Module):
@@ -58,7 +59,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class MoE(nn.Module):
