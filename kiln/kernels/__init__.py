@@ -48,12 +48,6 @@ class TritonOps(ReferenceOps):
         self.add_rms_norm = triton_kernels.add_rms_norm
         self.silu_and_mul = triton_kernels.silu_and_mul
 
-    def linear(self, x, weight, bias=None):
-        """Small weights at small batch: the streaming Triton kernel beats cuBLAS's memory bandwidth there."""
-        if weight.numel() <= self._k.GEMV_MAX_WEIGHT:
-            return self._k.linear(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
-
     def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
         return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)
 

@@ -63,34 +63,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # --- rotary embedding + KV-cache write -----------------------------------------------------------------------
 @triton.jit
 def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, cache_half,
-                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+    """One program per token: rotate its q heads into q_out, its k heads into the cache, copy its v heads."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     dim = 2 * HALF
     row = qkv_ptr + token * (HEADS + 2 * KV_HEADS) * dim
     d = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * dim + d)
-    sin = tl.load(cos_sin_ptr + pos * dim + HALF + d)
-    x1 = tl.load(row + head * dim + d).to(tl.float32)
-    x2 = tl.load(row + head * dim + HALF + d).to(tl.float32)
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
-    if head < HEADS:
-        out = q_out_ptr + (token * HEADS + head) * dim
-        tl.store(out + d, r1.to(q_out_ptr.dtype.element_ty))
-        tl.store(out + HALF + d, r2.to(q_out_ptr.dtype.element_ty))
-    else:
-        slot = tl.load(slot_ptr + token)
-        if slot >= 0:                                    # padded rows of a CUDA graph carry slot -1
-            kv_head = head - HEADS
-            k_dst = cache_ptr + (slot * KV_HEADS + kv_head) * dim
-            tl.store(k_dst + d, r1.to(cache_ptr.dtype.element_ty))
-            tl.store(k_dst + HALF + d, r2.to(cache_ptr.dtype.element_ty))
-            v_src = row + (HEADS + KV_HEADS + kv_head) * dim
-            v_dst = k_dst + cache_half
-            tl.store(v_dst + d, tl.load(v_src + d))
-            tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d))
+    cos = tl.load(cos_sin_ptr + pos * dim + d)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * dim + HALF + d)[None, :]
+    h = tl.arange(0, HEADS_PAD)
+    qm = (h < HEADS)[:, None]
+    src = row + h[:, None] * dim + d[None, :]
+    x1 = tl.load(src, mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=qm, other=0.0).to(tl.float32)
+    dst = q_out_ptr + (token * HEADS + h[:, None]) * dim + d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:                                        # padded rows of a CUDA graph carry slot -1
+        kh = tl.arange(0, KV_PAD)
+        km = (kh < KV_HEADS)[:, None]
+        src = row + (HEADS + kh[:, None]) * dim + d[None, :]
+        k1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+        k_dst = cache_ptr + (slot * KV_HEADS + kh[:, None]) * dim + d[None, :]
+        tl.store(k_dst, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=km)
+        tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=km)
+        v_src = src + KV_HEADS * dim
+        tl.store(k_dst + cache_half, tl.load(v_src, mask=km, other=0.0), mask=km)
+        tl.store(k_dst + cache_half + HALF, tl.load(v_src + HALF, mask=km, other=0.0), mask=km)
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -99,10 +102,10 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     Returns the rotated q (T, H, D)."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    cache_half = kv_cache[0].numel()
-    _rope_and_cache_kernel[(tokens, heads + kv_heads)](qkv, positions, cos_sin, slot_mapping, kv_cache, q,
-                                                      cache_half, HEADS=heads, KV_HEADS=kv_heads,
-                                                      HALF=head_dim // 2, num_warps=1)
+    _rope_and_cache_kernel[(tokens,)](qkv, positions, cos_sin, slot_mapping, kv_cache, q, kv_cache[0].numel(),
+                                      HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
+                                      HEADS_PAD=triton.next_power_of_2(heads),
+                                      KV_PAD=triton.next_power_of_2(kv_heads), num_warps=4)
     return q
 
 
@@ -228,41 +231,3 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)
     return out
 
-
-# --- small-batch matrix-vector products (decoding a few sequences) --------------------------------------------
-@triton.autotune(configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                          for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 4), (8, 1024, 4, 3), (64, 128, 4, 4),
-                                               (16, 256, 2, 4), (32, 512, 8, 3))],
-                 key=["N", "K", "M"])
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out (M, N) = x (M, K) @ w (N, K)^T for a handful of rows M: each program streams BLOCK_N rows of w once."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, M_PAD)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        for m in tl.static_range(M_PAD):
-            x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0)      # x is padded to M_PAD rows
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)     # (BLOCK_N,)
-            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
-    mask = (rows[:, None] < M) & (n[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-GEMV_MAX_ROWS = 4
-GEMV_MAX_WEIGHT = 32 * 2**20   # elements; larger matrices already stream at full bandwidth through cuBLAS
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): a streaming Triton kernel for up to GEMV_MAX_ROWS rows, cuBLAS otherwise."""
-    if x.shape[0] > GEMV_MAX_ROWS or not weight.is_contiguous() or x.dtype == torch.float32:
-        return torch.nn.functional.linear(x, weight, bias)
-    m, k = x.shape
-    n, m_pad = weight.shape[0], triton.next_power_of_2(m)
-    if m_pad != m:
-        x = torch.cat([x, x.new_zeros(m_pad - m, k)])
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x.contiguous(), weight, out, m, n, k, M_PAD=m_pad)
-    return out if bias is None else out + bias
