@@ -85,13 +85,13 @@ def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q
     if slot >= 0:                                        # padded rows of a CUDA graph carry slot -1
         kh = tl.arange(0, KV_PAD)
         km = (kh < KV_HEADS)[:, None]
-        src = row + (HEADS + kh[:, None]) * dim + d[None, :]
-        k1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
-        k2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+        k_src = row + (HEADS + kh[:, None]) * dim + d[None, :]
+        k1 = tl.load(k_src, mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF, mask=km, other=0.0).to(tl.float32)
         k_dst = cache_ptr + (slot * KV_HEADS + kh[:, None]) * dim + d[None, :]
         tl.store(k_dst, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=km)
         tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=km)
-        v_src = src + KV_HEADS * dim
+        v_src = k_src + KV_HEADS * dim
         tl.store(k_dst + cache_half, tl.load(v_src, mask=km, other=0.0), mask=km)
         tl.store(k_dst + cache_half + HALF, tl.load(v_src + HALF, mask=km, other=0.0), mask=km)
 
