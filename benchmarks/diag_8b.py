@@ -33,10 +33,14 @@ for name, ops in (("triton", TritonOps()), ("reference", ReferenceOps())):
     for hk in hooks: hk.remove()
 with torch.no_grad():
     hs = hf(torch.tensor([prompt], device="cuda"), output_hidden_states=True)
+    hf.float()
+    truth = hf(torch.tensor([prompt], device="cuda"), output_hidden_states=True)
 ref_logits = hs.logits[0].float()
+print("logits vs fp32 truth: triton", rel(outs["triton"][0], truth.logits[0]), "reference", rel(outs["reference"][0], truth.logits[0]),
+      "hf-bf16", rel(ref_logits, truth.logits[0]))
 print("logits triton vs hf", rel(outs["triton"][0], ref_logits), "reference vs hf", rel(outs["reference"][0], ref_logits),
       "triton vs reference", rel(outs["triton"][0], outs["reference"][0]))
 for i in range(layers):
-    a, b, c = outs["triton"][1][i], outs["reference"][1][i], hs.hidden_states[i + 1][0]
-    if i < 4 or i % 4 == 3:
-        print(f"layer {i}: triton-vs-ref {rel(a, b):.4f} triton-vs-hf {rel(a, c):.4f} ref-vs-hf {rel(b, c):.4f}", flush=True)
+    a, b, c, d = outs["triton"][1][i], outs["reference"][1][i], hs.hidden_states[i + 1][0], truth.hidden_states[i + 1][0]
+    if (i < 4 or i % 4 == 3) and i < layers - 1:
+        print(f"layer {i}: vs fp32 truth: triton {rel(a, d):.4f} reference {rel(b, d):.4f} hf-bf16 {rel(c, d):.4f}", flush=True)
