@@ -45,3 +45,19 @@ for name, ops in (("triton", TritonOps()), ("reference", ReferenceOps())):
         m = net.layers[0].mlp(xn[0])
         qkv = ops.linear(xn[0], net.layers[0].attn.qkv_proj.weight)
     print(name, "attention vs fp32", rel(a, attn32[0]), "mlp vs fp32", rel(m, mlp32[0]), "q part", rel(qkv[:, :4096], q32[0]))
+with torch.no_grad():
+    full32 = l32(x.float(), position_embeddings=cs32, attention_mask=None)
+    full32 = full32[0] if isinstance(full32, tuple) else full32
+    full_bf = layer(x, position_embeddings=cos_sin, attention_mask=None)
+    full_bf = full_bf[0] if isinstance(full_bf, tuple) else full_bf
+print("hf-bf16 full layer vs fp32", rel(full_bf, full32))
+for name, ops in (("triton", TritonOps()), ("reference", ReferenceOps())):
+    net = DecoderForCausalLM.load(model.config, model.engine_weights(), 1024, dev, ops=ops)
+    cache = torch.zeros((2, 16, 32, 8, 128), dtype=torch.bfloat16, device=dev)
+    t = lambda v: torch.tensor(v, device=dev)
+    meta = AttentionMetadata(t(list(range(T))), t([0, T]), t([T]), t([list(range(10))]), T, T, 32)
+    with torch.inference_mode():
+        emb = net.embed_tokens(prompt)
+        print(name, "embedding", rel(emb, x[0]), "input norm", rel(net.layers[0].input_norm(emb.clone())[0], xn[0]))
+        o = net.layers[0](emb.clone(), None, pos[0], meta, cache, net.cos_sin)
+        print(name, "full layer vs fp32", rel(o[0] + o[1], full32[0]), "vs hf-bf16", rel(o[0] + o[1], full_bf[0]))
