@@ -200,6 +200,45 @@ def throughput(args):
         torch.cuda.empty_cache()
 
 
+LOAD_CHILD = """
+import json, sys, time
+start = time.time()
+from kiln import LLM, SamplingConfig
+llm = LLM(sys.argv[1], device="cuda", quiet=True)
+ready = time.time()
+llm.generate([1, 2, 3], SamplingConfig(max_new_tokens=1, end_id=-1))
+print(json.dumps({"load_s": ready - start, "load_to_first_token_s": time.time() - start,
+                  "kernels_compiled_at_load": llm.stats()["kernels_compiled_at_load"]}))
+llm.shutdown()
+"""
+
+
+@phase
+def load(args):
+    """Build an 8B-shaped engine, compile its kernels into it, save it; then a fresh process loads it."""
+    from kiln.config import BuildConfig
+    from kiln.runtime.kernel_cache import compile_kernels
+    path = "/tmp/kiln_engine_8b"
+    start = time.time()
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
+                                                                         max_seq_len=4096))
+    built = time.time()
+    count = compile_kernels(engine)
+    compiled = time.time()
+    engine.save(path)
+    saved = time.time()
+    log("load_build_random_8b_s", round(built - start, 1))
+    log("load_compile_kernels_s", round(compiled - built, 1))
+    log("load_kernels_in_engine", count)
+    log("load_save_s", round(saved - compiled, 1))
+    del engine
+    torch.cuda.empty_cache()
+    for attempt in ("first", "second"):
+        proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, path], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+        log(f"load_{attempt}_process", (proc.stdout.strip().splitlines() or [proc.stderr[-1500:]])[-1])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--phases", default="tests,latency,throughput")

@@ -90,6 +90,9 @@ def test_norm_activation_and_rope_kernels(rows, cols):
 
 
 def test_llama31_8b_shape_logits_match_transformers():
+    """Against transformers bf16 and float32 on the same random weights. The weights are drawn with std 0.005:
+    at transformers' default 0.02 its own bf16 path departs 7% from float32 per layer (bf16 rotary products;
+    benchmarks/diag_ops.py), five times Kiln's 1%, so no bf16 pair could agree to 2e-2 end to end."""
     import transformers
 
     from kiln.benchmark import SHAPES
@@ -102,7 +105,7 @@ def test_llama31_8b_shape_logits_match_transformers():
                                    intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
                                    num_attention_heads=shape["num_attention_heads"],
                                    num_key_value_heads=shape["num_key_value_heads"], rms_norm_eps=1e-5,
-                                   max_position_embeddings=131072, rope_parameters=rope)
+                                   max_position_embeddings=131072, rope_parameters=rope, initializer_range=0.005)
     torch.manual_seed(0)
     with torch.device(CUDA):
         hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -113,15 +116,16 @@ def test_llama31_8b_shape_logits_match_transformers():
         outs = llm.generate(prompts, SamplingConfig(max_new_tokens=4, end_id=-1))
     with torch.no_grad():
         refs = [hf(torch.tensor([p], device=CUDA)).logits[0].float().cpu() for p in prompts]
-        hf.float()
-        refs32 = [hf(torch.tensor([p], device=CUDA)).logits[0].float().cpu() for p in prompts]
+        with torch.device(CUDA):
+            hf32 = transformers.LlamaForCausalLM(cfg).eval()       # a genuine float32 model, same weights
+        hf32.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
+        del hf
+        refs32 = [hf32(torch.tensor([p], device=CUDA)).logits[0].float().cpu() for p in prompts]
     for out, ref, ref32 in zip(outs, refs, refs32):
-        errors = rel_err(out.context_logits, ref), rel_err(ref, ref32), rel_err(out.context_logits, ref32)
-        print("kiln-bf16 vs hf-bf16 %.4f, hf-bf16 vs hf-fp32 %.4f, kiln-bf16 vs hf-fp32 %.4f" % errors)
-        per_position = ((out.context_logits - ref).norm(dim=-1) / ref.norm(dim=-1))
-        print("per position", [round(v, 4) for v in per_position[:8].tolist()], round(per_position.max().item(), 4))
-        assert errors[0] < 2e-2
-    del hf, model
+        errors = rel_err(out.context_logits, ref), rel_err(out.context_logits, ref32), rel_err(ref, ref32)
+        print("kiln-bf16 vs hf-bf16 %.4f, kiln-bf16 vs hf-fp32 %.4f, hf-bf16 vs hf-fp32 %.4f" % errors)
+        assert errors[0] < 2e-2 and errors[1] < 2e-2
+    del hf32, model
     torch.cuda.empty_cache()
 
 

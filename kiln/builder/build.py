@@ -34,6 +34,9 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
         if value not in ("auto", "disable", config.dtype):
             raise ValueError(f"PluginConfig.{name}={value!r} differs from the model dtype {config.dtype!r}; "
                              "use auto or the model's dtype")
+    if build_config.input_timing_cache or build_config.output_timing_cache:
+        raise ValueError("timing caches come from compiling the kernels on a GPU: use `kiln build` there, or "
+                         "kiln.runtime.kernel_cache.compile_kernels(engine) after build()")
     if build_config.visualize_network and build_config.profiling_verbosity == "none":
         raise ValueError("BuildConfig.visualize_network needs profiling_verbosity layer_names_only or detailed")
     if not build_config.strongly_typed:

@@ -14,6 +14,7 @@ from kiln.utils.fs import atomic_dir, read_json_object, require_dir
 from kiln.version import __version__
 
 ENGINE_FORMAT = "kiln-engine"
+KERNEL_CACHE = "triton_cache"
 
 
 def engine_hash(pretrained_config: PretrainedConfig, build_config: BuildConfig, version: str = __version__) -> str:
@@ -32,6 +33,7 @@ class Engine:
     weights: dict[int, dict[str, torch.Tensor]]
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     network_text: str | None = None
+    kernel_cache: dict[str, bytes] = field(default_factory=dict)   # compiled GPU kernels (triton_cache/)
 
     @property
     def hash(self) -> str:
@@ -57,6 +59,9 @@ class Engine:
             write_tokenizer_files(self.tokenizer_files, tmp)
             if self.network_text:
                 (tmp / "network.txt").write_text(self.network_text)
+            for name, data in self.kernel_cache.items():
+                (tmp / KERNEL_CACHE / name).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / KERNEL_CACHE / name).write_bytes(data)
         return Path(engine_dir)
 
     @classmethod
@@ -70,7 +75,9 @@ class Engine:
             raise ValueError(f"{engine_dir}/config.json does not match the engine it describes (hash mismatch: "
                              "the file was edited after the build); rebuild the engine")
         weights = _load_rank(engine_dir / f"rank{rank}.safetensors", manifest["hash"], device)
-        return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir))
+        kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
+                   for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
+        return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir), kernel_cache=kernels)
 
 
 def is_engine_dir(path: Path) -> bool:

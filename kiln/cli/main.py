@@ -139,9 +139,33 @@ def cmd_build(args) -> None:
             model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
     if not output_dir and not build_config.dry_run:
         raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
+    timing = (build_config.input_timing_cache, build_config.output_timing_cache)
+    build_config.input_timing_cache = build_config.output_timing_cache = None   # handled below, on the GPU
     engine = build(model, build_config, quiet=quiet)
+    build_config.input_timing_cache, build_config.output_timing_cache = timing
+    _compile_gpu_kernels(engine, quiet)
     if engine.save(output_dir) is not None:
         print(f"engine written to {output_dir} (hash {engine.hash[:16]})")
+
+
+def _compile_gpu_kernels(engine, quiet: bool) -> None:
+    """On a GPU, compile the engine's kernels now and store them in it (and in output_timing_cache)."""
+    import torch
+
+    build = engine.build_config
+    if not torch.cuda.is_available():
+        if build.input_timing_cache or build.output_timing_cache:
+            raise ValueError("--input_timing_cache/--output_timing_cache need a GPU: kernels are compiled there")
+        return
+    if build.dry_run:
+        return
+    from kiln.runtime.kernel_cache import compile_kernels
+
+    start = time.perf_counter()
+    count = compile_kernels(engine)
+    if not quiet:
+        print(f"Build: compiled {count} GPU kernels for the engine's shapes in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
 
 
 def _from_build_file(args):

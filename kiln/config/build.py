@@ -139,9 +139,9 @@ class BuildConfig:
     use_refit: bool = False
     """Build an engine whose weights can be replaced in place."""
     input_timing_cache: str | None = None
-    """Kernel tuning results to start from."""
+    """A .tar of compiled GPU kernels (an earlier output_timing_cache) to start from when building on a GPU."""
     output_timing_cache: str | None = None
-    """Where to write the kernel tuning results."""
+    """Also write the engine's compiled GPU kernels to this .tar (building on a GPU)."""
     lora_config: LoraConfig = field(default_factory=LoraConfig)
     """LoRA settings."""
     auto_parallel_config: AutoParallelConfig = field(default_factory=AutoParallelConfig)
@@ -189,8 +189,6 @@ class BuildConfig:
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
         reject_unsupported(self, ["max_draft_len"], "speculative decoding is not implemented yet")
         reject_unsupported(self, ["use_refit"], "refitting is not implemented yet")
-        reject_unsupported(self, ["input_timing_cache", "output_timing_cache"],
-                           "kernel tuning needs the GPU build, not implemented yet")
         reject_unsupported(self, ["weight_sparsity"], "sparse weights are not implemented yet")
         reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
 

@@ -111,4 +111,5 @@ class EngineCore:
                 "prefix_cache_queried_tokens": kv.stats.queried_tokens, "steps": sched.stats.steps,
                 "scheduled_tokens": sched.stats.scheduled_tokens, "last_step_tokens": sched.stats.last_step_tokens,
                 "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
-                "preemptions": sched.stats.preemptions}
+                "preemptions": sched.stats.preemptions,
+                "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}

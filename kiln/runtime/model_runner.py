@@ -43,6 +43,12 @@ class ModelRunner:
         self.max_decode_batch = build.max_batch_size * build.max_beam_width
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None
+        self.kernel_dir = None
+        if device.type == "cuda" and engine.kernel_cache:
+            from .kernel_cache import count_entries, install
+            self.kernel_dir = install(engine.kernel_cache)
+            self._kernels_before = count_entries(self.kernel_dir)
+        self.kernels_compiled_at_load: int | None = None
         self.generators: dict[tuple[int, int], torch.Generator] = {}
         self.last_logits: dict[int, torch.Tensor] = {}     # seq id → (V,) logits of its last computed token
 
@@ -65,6 +71,9 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
                                      self.tokens_per_block, self._parts)
+        if self.kernel_dir is not None:
+            from .kernel_cache import count_entries
+            self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
         """Split-K partitions for decode attention: only when the batch alone leaves the GPU idle."""
