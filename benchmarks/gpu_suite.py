@@ -196,7 +196,9 @@ def throughput(args):
         if args.profile and input_len == 128 and output_len == 128:
             _profile_throughput(llm, prompts[:512])
         llm.shutdown()
-        del engine, llm
+        del engine, llm, outputs
+        import gc
+        gc.collect()
         torch.cuda.empty_cache()
 
 

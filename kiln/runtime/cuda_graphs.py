@@ -2,7 +2,8 @@
 
 A step qualifies when every scheduled sequence computes exactly one token. Its inputs are copied into static
 buffers (padded rows write nowhere: slot -1, length 0) and the bucket's graph is replayed; the graph covers the
-whole network and the LM head, so a step costs one launch instead of hundreds.
+whole network and the LM head, so a step costs one launch instead of hundreds. When the engine allows long
+sequences, each bucket has a second graph whose attention splits long sequences over several programs.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
-                 tokens_per_block: int, parts_for):
-        """parts_for(batch, max_keys) → (num_parts, part_tokens) of decode attention for a bucket."""
+                 tokens_per_block: int, parts_for, long_context: int):
+        """parts_for(batch, max_keys) → (num_parts, part_tokens) of decode attention for a bucket; batches with a
+        sequence past long_context keys replay the bucket's long-sequence graph."""
         device = kv_caches[0].device
         self.net, self.kv_caches, self.sizes = net, kv_caches, bucket_sizes(max_batch)
         # All inputs live in one device buffer, filled by one copy from one pinned host buffer per step:
@@ -37,38 +39,42 @@ class CudaGraphs:
         self.slots.fill_(-1)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.tokens_per_block, self.parts_for = tokens_per_block, parts_for
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        max_keys = self.width * tokens_per_block
         for size in sorted(self.sizes, reverse=True):      # largest first: later graphs reuse its pool
-            self._capture(size)
+            short, long = parts_for(size, min(max_keys, long_context)), parts_for(size, max_keys)
+            self._capture(size, False, short)
+            if long != short:
+                self._capture(size, True, long)
+            else:
+                self.graphs[size, True], self.logits[size, True] = self.graphs[size, False], self.logits[size, False]
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        max_keys = self.width * self.tokens_per_block
-        num_parts, part_tokens = self.parts_for(size, max_keys)
+    def _meta(self, size: int, parts: tuple[int, int | None]) -> AttentionMetadata:
         return AttentionMetadata(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
-                                 self.block_tables[:size], max_query_len=1, max_seq_len=max_keys,
-                                 tokens_per_block=self.tokens_per_block, num_parts=num_parts, part_tokens=part_tokens)
+                                 self.block_tables[:size], max_query_len=1, max_seq_len=self.width * self.tokens_per_block,
+                                 tokens_per_block=self.tokens_per_block, num_parts=parts[0], part_tokens=parts[1])
 
-    def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
+    def _forward(self, size: int, parts) -> torch.Tensor:
+        hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size, parts), self.kv_caches)
         return self.net.compute_logits(hidden)
 
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, long: bool, parts) -> None:
         for _ in range(2):                                  # compile and warm every kernel outside the capture
-            self._forward(size)
+            self._forward(size, parts)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[size] = self._forward(size)
-        self.graphs[size] = graph
+            self.logits[size, long] = self._forward(size, parts)
+        self.graphs[size, long] = graph
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """Logits (n, vocab) of n one-token sequences."""
+            tables: list[list[int]], long: bool = False) -> torch.Tensor:
+        """Logits (n, vocab) of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys)."""
         n, b = len(input_ids), self.max_batch
         size = next(s for s in self.sizes if s >= n)
         host = self.host
@@ -80,5 +86,5 @@ class CudaGraphs:
             table[row, :len(blocks)] = blocks
         used = 4 * b + size * self.width
         self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
-        self.graphs[size].replay()
-        return self.logits[size][:n]
+        self.graphs[size, long].replay()
+        return self.logits[size, long][:n]

@@ -16,8 +16,9 @@ from .beam_search import beams_to_keep
 from .request import Request, Sequence
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 
-PARTITION_TOKENS = 256   # multi_block_mode: each decode-attention program covers this many keys
-BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200: enough without splitting
+PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program covers this many keys
+BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
+LONG_CONTEXT = 1024      # decode batches with longer sequences use the split-K variant whatever their size
 
 
 @dataclass
@@ -70,14 +71,16 @@ class ModelRunner:
         from .cuda_graphs import CudaGraphs
         with torch.inference_mode():
             self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
-                                     self.tokens_per_block, self._parts)
+                                     self.tokens_per_block, self._parts, LONG_CONTEXT)
         if self.kernel_dir is not None:
             from .kernel_cache import count_entries
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
-        """Split-K partitions for decode attention: only when the batch alone leaves the GPU idle."""
-        if not self.multi_block_mode or batch * self.config.num_key_value_heads >= BUSY_PROGRAMS:
+        """Split-K partitions for decode attention: when the batch alone leaves the GPU idle, or when sequences
+        are long enough that one program per sequence would stream its keys too slowly."""
+        few = batch * self.config.num_key_value_heads < BUSY_PROGRAMS
+        if not self.multi_block_mode or max_keys <= PARTITION_TOKENS or not (few or max_keys > LONG_CONTEXT):
             return 1, None
         return -(-max_keys // PARTITION_TOKENS), PARTITION_TOKENS
 
@@ -121,7 +124,7 @@ class ModelRunner:
         one_token = (len(ids) == len(out.scheduled) and not self.gather_context_logits
                      and all(seq.num_computed_tokens + 1 == seq.num_tokens for _, seq, _ in out.scheduled))
         if one_token and self.graphs is not None and self.graphs.fits(len(ids)):
-            rows = self.graphs.run(ids, positions, slots, seq_lens, tables)               # (B, V)
+            rows = self.graphs.run(ids, positions, slots, seq_lens, tables, long=max(seq_lens) > LONG_CONTEXT)
             done = [seq for _, seq, _ in out.scheduled]
         else:
             rows, done = self._run_eager(out, ids, positions, slots, starts, seq_lens, tables, gathered)
