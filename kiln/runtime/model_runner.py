@@ -182,6 +182,10 @@ class ModelRunner:
                 result.beam_candidates[request.request_id] = sampler.beam_candidates(own, request, beams_to_keep(request))
             else:
                 result.tokens[request.request_id] = self._choose(request, own)
+        pending = [t for tokens in result.tokens.values() for t in tokens if isinstance(t.token, torch.Tensor)]
+        if pending:                                   # every sampled token to the host in one copy
+            for t, value in zip(pending, torch.stack([t.token for t in pending]).tolist()):
+                t.token = value
         if self.gather_generation_logits:
             for request in requests:
                 if request.seqs and request.seqs[0].seq_id in row_of and request.request_id in result.tokens:

@@ -52,19 +52,21 @@ def filtered_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
 
 
 def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
-           normalize_log_probs: bool) -> tuple[int, TokenLogprob | None]:
+           normalize_log_probs: bool) -> tuple[torch.Tensor | int, TokenLogprob | None]:
     """Pick one token from (V,) processed logits; with its log-probability when the request asks for them.
 
-    Log-probabilities are of the distribution sampled from (after temperature): over the whole vocabulary, or,
-    with normalize_log_probs, renormalised over the tokens top-k/top-p/min-p kept."""
+    Without log-probabilities the token stays on the device (a 0-d tensor), so a step's samples reach the host
+    in one copy. Log-probabilities are of the distribution sampled from (after temperature): over the whole
+    vocabulary, or, with normalize_log_probs, renormalised over the tokens top-k/top-p/min-p kept."""
     if sampling.greedy:
-        token = int(logits.argmax())
+        token = logits.argmax()
         kept = logits
     else:
         kept = filtered_logits(logits, sampling)
-        token = int(torch.multinomial(kept.softmax(-1), 1, generator=generator)[0])
+        token = torch.multinomial(kept.softmax(-1), 1, generator=generator)[0]
     if sampling.logprobs is None:
         return token, None
+    token = int(token)
     dist = kept if (normalize_log_probs or sampling.greedy) else logits / (sampling.temperature or 1.0)
     logprobs = torch.log_softmax(dist.float(), dim=-1)
     return token, _logprob_entry(logprobs, token, sampling.logprobs)
