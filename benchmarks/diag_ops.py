@@ -29,22 +29,11 @@ l32 = hf32.model.layers[0]
 with torch.no_grad():
     xn32 = xn.float()
     cs32 = hf32.model.rotary_emb(xn32, pos)
-    from transformers.masking_utils import create_causal_mask
     attn32 = l32.self_attn(xn32, position_embeddings=cs32, attention_mask=None)[0]
     mlp32 = l32.mlp(xn32)
     q32 = l32.self_attn.q_proj(xn32)
 print("q_proj: hf-bf16", rel(q_bf, q32))
 print("hf-bf16 attention vs fp32 (no mask given)", rel(attn_bf16, attn32), "mlp", rel(mlp_bf16, mlp32))
-for name, ops in (("triton", TritonOps()), ("reference", ReferenceOps())):
-    net = DecoderForCausalLM.load(model.config, model.engine_weights(), 1024, dev, ops=ops)
-    cache = torch.zeros((2, 16, 32, 8, 128), dtype=torch.bfloat16, device=dev)
-    t = lambda v: torch.tensor(v, device=dev)
-    meta = AttentionMetadata(t(list(range(T))), t([0, T]), t([T]), t([list(range(10))]), T, T, 32)
-    with torch.inference_mode():
-        a = net.layers[0].attn(xn[0], pos[0], meta, cache, net.cos_sin)
-        m = net.layers[0].mlp(xn[0])
-        qkv = ops.linear(xn[0], net.layers[0].attn.qkv_proj.weight)
-    print(name, "attention vs fp32", rel(a, attn32[0]), "mlp vs fp32", rel(m, mlp32[0]), "q part", rel(qkv[:, :4096], q32[0]))
 with torch.no_grad():
     full32 = l32(x.float(), position_embeddings=cs32, attention_mask=None)
     full32 = full32[0] if isinstance(full32, tuple) else full32
@@ -53,11 +42,16 @@ with torch.no_grad():
 print("hf-bf16 full layer vs fp32", rel(full_bf, full32))
 for name, ops in (("triton", TritonOps()), ("reference", ReferenceOps())):
     net = DecoderForCausalLM.load(model.config, model.engine_weights(), 1024, dev, ops=ops)
-    cache = torch.zeros((2, 16, 32, 8, 128), dtype=torch.bfloat16, device=dev)
     t = lambda v: torch.tensor(v, device=dev)
-    meta = AttentionMetadata(t(list(range(T))), t([0, T]), t([T]), t([list(range(10))]), T, T, 32)
+    meta = lambda: AttentionMetadata(t(list(range(T))), t([0, T]), t([T]), t([list(range(10))]), T, T, 32)
+    cache = lambda: torch.zeros((2, 16, 32, 8, 128), dtype=torch.bfloat16, device=dev)
+    layer0 = net.layers[0]
     with torch.inference_mode():
+        a = layer0.attn(xn[0], pos[0], meta(), cache(), net.cos_sin)
+        m = layer0.mlp(xn[0])
+        qkv = ops.linear(xn[0], layer0.attn.qkv_proj.weight)
         emb = net.embed_tokens(prompt)
-        print(name, "embedding", rel(emb, x[0]), "input norm", rel(net.layers[0].input_norm(emb.clone())[0], xn[0]))
-        o = net.layers[0](emb.clone(), None, pos[0], meta, cache, net.cos_sin)
-        print(name, "full layer vs fp32", rel(o[0] + o[1], full32[0]), "vs hf-bf16", rel(o[0] + o[1], full_bf[0]))
+        o = layer0(emb.clone(), None, pos[0], meta(), cache(), net.cos_sin)
+    print(name, "attention vs fp32", rel(a, attn32[0]), "mlp vs fp32", rel(m, mlp32[0]), "q part", rel(qkv[:, :4096], q32[0]))
+    print(name, "embedding", rel(emb, x[0]), "full layer vs fp32", rel(o[0] + o[1], full32[0]),
+          "vs hf-bf16", rel(o[0] + o[1], full_bf[0]))
