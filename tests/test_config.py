@@ -53,8 +53,17 @@ def test_other_validations():
         Mapping(world_size=2)
     with pytest.raises(ValueError, match="quant_algo='INT3'"):
         QuantConfig(quant_algo="INT3")
-    with pytest.raises(ValueError, match="quant_algo='W8A16' is not supported by Kiln yet"):
-        QuantConfig(quant_algo="W8A16")
+    with pytest.raises(ValueError, match="W4A16_GPTQ needs group_size 32, 64 or 128, got None"):
+        QuantConfig(quant_algo="W4A16_GPTQ", group_size=None)
+    with pytest.raises(ValueError, match="int4_awq quantizes per group: add per_group"):
+        ConvertConfig(use_weight_only=True, weight_only_precision="int4_awq")
+    with pytest.raises(ValueError, match="smoothquant needs per_channel"):
+        ConvertConfig(smoothquant=0.5)
+    with pytest.raises(ValueError, match="choose one of use_weight_only, smoothquant, use_fp8"):
+        ConvertConfig(use_weight_only=True, use_fp8=True)
+    with pytest.raises(ValueError, match="int8_kv_cache and fp8_kv_cache exclude each other"):
+        ConvertConfig(int8_kv_cache=True, fp8_kv_cache=True)
+    assert ConvertConfig(use_fp8=True, fp8_kv_cache=True).quant_config().quant_algo == "FP8"
     with pytest.raises(ValueError, match="tp_size=2 is not supported by Kiln yet"):
         ConvertConfig(tp_size=2)
     with pytest.raises(ValueError, match="free_gpu_memory_fraction=1.5"):

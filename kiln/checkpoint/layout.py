@@ -1,7 +1,47 @@
-"""The Kiln checkpoint layout: tensor names and shapes for a PretrainedConfig (one rank, unfused)."""
+"""The Kiln checkpoint layout: tensor names and shapes for a PretrainedConfig (one rank, unfused).
+
+A quantized linear layer keeps the same base name with the tensors of its format (kiln.kernels.quant):
+`weight` (int8, packed int4 or fp8), `weight_scale`, and where the scheme needs them `weight_zero`,
+`input_scale` (static activation scale) and `smoother` (SmoothQuant factors not folded into a norm).
+"""
 from __future__ import annotations
 
 from kiln.config import PretrainedConfig
+
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+
+
+def engine_module_name(base: str) -> str:
+    """layers.3.attn.k_proj → layers.3.attn.qkv_proj: quantization is decided per fused module."""
+    head, _, last = base.rpartition(".")
+    return f"{head}.{FUSED[last]}" if last in FUSED else base
+
+
+def linear_shapes(base: str, out_features: int, in_features: int, bias: bool,
+                  config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one linear layer, as `config.quantization` stores it."""
+    quant = config.quantization
+    shapes: dict[str, tuple[int, ...]] = {}
+    algo = quant.quant_algo if quant.quantizes(engine_module_name(base)) else None
+    if algo is None:
+        shapes[base + ".weight"] = (out_features, in_features)
+    elif algo.startswith("W4A16"):
+        groups = in_features // quant.group_size if algo in ("W4A16_GPTQ", "W4A16_AWQ") else 1
+        shapes[base + ".weight"] = (out_features, in_features // 2)
+        shapes[base + ".weight_scale"] = (out_features, groups)
+        if quant.has_zero_point:
+            shapes[base + ".weight_zero"] = (out_features, groups)
+    else:
+        shapes[base + ".weight"] = (out_features, in_features)
+        shapes[base + ".weight_scale"] = (out_features,)
+        if quant.static_activations:
+            shapes[base + ".input_scale"] = (1,)
+        if algo.startswith("W8A8") and base.endswith(("o_proj", "down_proj")):
+            shapes[base + ".smoother"] = (in_features,)
+    if bias:
+        shapes[base + ".bias"] = (out_features,)
+    return shapes
 
 
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
@@ -10,18 +50,16 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,)}
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes.update(linear_shapes("lm_head", config.vocab_size, h, False, config))
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         shapes[p + "input_norm.weight"] = (h,)
         shapes[p + "post_attn_norm.weight"] = (h,)
         for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            shapes[f"{p}attn.{name}.weight"] = (out, h)
-            if config.attention_bias:
-                shapes[f"{p}attn.{name}.bias"] = (out,)
-        shapes[p + "attn.o_proj.weight"] = (h, q_out)
-        if config.dense_bias:
-            shapes[p + "attn.o_proj.bias"] = (h,)
+            shapes.update(linear_shapes(f"{p}attn.{name}", out, h, config.attention_bias, config))
+        shapes.update(linear_shapes(p + "attn.o_proj", h, q_out, config.dense_bias, config))
+        if config.quantization.kv_cache_quant_algo:
+            shapes[p + "attn.kv_scale"] = (2,)
         if config.is_moe:
             e = config.moe_num_experts
             shapes[p + "moe.router.weight"] = (e, h)
@@ -29,10 +67,8 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "moe.up_proj"] = (e, inter, h)
             shapes[p + "moe.down_proj"] = (e, h, inter)
         else:
-            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                shapes[f"{p}mlp.{name}.weight"] = shape
-                if config.mlp_bias:
-                    shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+            for name, out, inp in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
+                shapes.update(linear_shapes(f"{p}mlp.{name}", out, inp, config.mlp_bias, config))
     return shapes
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from .fields import from_dict, reject_unsupported, require_positive
 from .pretrained import PretrainedConfig
+from .quant import QuantConfig
 
 # ConvertConfig field → PretrainedConfig field it pins down.
 SHAPE_FIELDS = {
@@ -58,23 +59,33 @@ class ConvertConfig:
     meta_ckpt_dir: str | None = None
     """A Meta (consolidated.*.pth) checkpoint directory."""
     use_weight_only: bool = False
-    """Weight-only quantization."""
+    """Weight-only quantization (W8A16 / W4A16)."""
     weight_only_precision: str = "int8"
-    """int8 or int4 for weight-only quantization."""
+    """int8, int4 (per channel), int4_gptq (per group) or int4_awq (per group with zero points)."""
     smoothquant: float | None = None
-    """SmoothQuant alpha."""
+    """SmoothQuant W8A8 with this migration strength alpha (0.5 is usual)."""
     per_channel: bool = False
-    """Per-channel weight scales (SmoothQuant)."""
+    """SmoothQuant: per-channel weight scales (required: Kiln has no per-tensor int8 weights)."""
     per_token: bool = False
-    """Per-token activation scales (SmoothQuant)."""
+    """SmoothQuant: dynamic per-token activation scales instead of one calibrated per-tensor scale."""
     int8_kv_cache: bool = False
-    """INT8 KV cache."""
+    """INT8 KV cache with calibrated per-layer scales."""
+    use_fp8: bool = False
+    """FP8 (e4m3) weights per channel and activations with a calibrated per-tensor scale."""
+    fp8_per_token: bool = False
+    """With use_fp8: dynamic per-token activation scales instead of a calibrated one."""
+    fp8_kv_cache: bool = False
+    """FP8 KV cache with calibrated per-layer scales."""
+    quantize_lm_head: bool = False
+    """Quantize the LM head too (left in the model dtype by default)."""
+    calib_size: int = 16
+    """Calibration sequences (of up to 256 tokens) taken from Kiln's calibration text."""
     ammo_quant_ckpt_path: str | None = None
     """A pre-quantized checkpoint (.npz)."""
     per_group: bool = False
-    """Per-group INT4 (GPTQ/AWQ)."""
+    """Per-group INT4 (required by int4_gptq and int4_awq)."""
     group_size: int = 128
-    """Group size of per-group quantization."""
+    """Group size of per-group quantization (32, 64 or 128)."""
     dataset_cache_dir: str | None = None
     """Calibration dataset cache."""
     disable_weight_only_quant_plugin: bool = False
@@ -100,10 +111,35 @@ class ConvertConfig:
         reject_unsupported(self, ["tp_size", "pp_size", "use_parallel_embedding", "embedding_sharding_dim",
                                   "use_embedding_sharing", "workers", "moe_tp_mode", "load_by_shard"],
                            "multi-GPU sharding is not implemented yet")
-        reject_unsupported(self, ["use_weight_only", "smoothquant", "per_channel", "per_token", "int8_kv_cache",
-                                  "ammo_quant_ckpt_path", "per_group", "dataset_cache_dir",
-                                  "disable_weight_only_quant_plugin", "weight_only_precision", "group_size"],
-                           "quantization is not implemented yet")
+        reject_unsupported(self, ["ammo_quant_ckpt_path", "dataset_cache_dir"],
+                           "Kiln calibrates on its own text; import quantized models as AWQ/GPTQ HF checkpoints")
+        reject_unsupported(self, ["disable_weight_only_quant_plugin"], "Kiln has one weight-only kernel path")
+        require_positive("ConvertConfig", calib_size=self.calib_size)
+        self.quant_config()                       # validates the combination
+
+    def quant_config(self) -> QuantConfig:
+        """The QuantConfig these flags ask for; a clear error for combinations that make no sense."""
+        chosen = [name for name, on in (("use_weight_only", self.use_weight_only), ("smoothquant", self.smoothquant is not None),
+                                        ("use_fp8", self.use_fp8)) if on]
+        if len(chosen) > 1:
+            raise ValueError(f"ConvertConfig: choose one of use_weight_only, smoothquant, use_fp8 (got {', '.join(chosen)})")
+        if self.int8_kv_cache and self.fp8_kv_cache:
+            raise ValueError("ConvertConfig: int8_kv_cache and fp8_kv_cache exclude each other")
+        algo = None
+        if self.use_weight_only:
+            algo = _weight_only_algo(self.weight_only_precision, self.per_group)
+        elif self.smoothquant is not None:
+            if not self.per_channel:
+                raise ValueError("ConvertConfig: smoothquant needs per_channel (per-tensor int8 weights are not supported)")
+            algo = "W8A8_SQ_PER_CHANNEL_PER_TOKEN" if self.per_token else "W8A8_SQ_PER_CHANNEL"
+        elif self.use_fp8:
+            algo = "FP8_PER_CHANNEL_PER_TOKEN" if self.fp8_per_token else "FP8"
+        elif self.per_token or self.per_channel or self.per_group or self.fp8_per_token:
+            raise ValueError("ConvertConfig: per_token/per_channel/per_group/fp8_per_token only go with a quantization mode")
+        kv = "INT8" if self.int8_kv_cache else "FP8" if self.fp8_kv_cache else None
+        return QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv, group_size=self.group_size,
+                           smoothquant_val=0.5 if self.smoothquant is None else self.smoothquant,
+                           exclude_modules=[] if self.quantize_lm_head else ["lm_head"])
         reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
         reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
 
@@ -127,3 +163,14 @@ class ConvertConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "checkpoint") -> "ConvertConfig":
         return from_dict(cls, data, where)
+
+
+def _weight_only_algo(precision: str, per_group: bool) -> str:
+    algos = {"int8": "W8A16", "int4": "W4A16", "int4_gptq": "W4A16_GPTQ", "int4_awq": "W4A16_AWQ"}
+    if precision not in algos:
+        raise ValueError(f"ConvertConfig.weight_only_precision={precision!r} is not one of {', '.join(algos)}")
+    if precision in ("int4_gptq", "int4_awq") and not per_group:
+        raise ValueError(f"ConvertConfig: weight_only_precision={precision} quantizes per group: add per_group")
+    if per_group and precision in ("int8", "int4"):
+        raise ValueError(f"ConvertConfig: per_group goes with int4_gptq or int4_awq, not {precision}")
+    return algos[precision]

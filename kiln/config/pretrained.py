@@ -107,6 +107,9 @@ class PretrainedConfig:
                     f"{owner}.moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
         if self.rope_scaling is not None:
             self._validate_rope_scaling()
+        if self.is_moe and self.quantization.quant_algo is not None:
+            raise ValueError(f"{owner}: quantizing MoE experts ({self.quantization.quant_algo}) is not supported yet; "
+                             "a KV-cache quantization alone is")
 
     def _validate_rope_scaling(self):
         scaling = self.rope_scaling

@@ -1,11 +1,13 @@
-"""Quantization settings carried by a checkpoint and an engine."""
+"""Quantization settings carried by a checkpoint and an engine (TensorRT-LLM's `quantization` section)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .fields import reject_unsupported, require_choice, require_positive
+from .fields import require, require_choice
 
-QUANT_ALGOS = (None, "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL", "FP8")
+QUANT_ALGOS = (None, "W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL",
+               "W8A8_SQ_PER_CHANNEL_PER_TOKEN", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+GROUP_ALGOS = ("W4A16_GPTQ", "W4A16_AWQ")
 KV_CACHE_QUANT_ALGOS = (None, "INT8", "FP8")
 
 
@@ -14,23 +16,44 @@ class QuantConfig:
     """How weights, activations and the KV cache are quantized (all None: the model's own dtype)."""
 
     quant_algo: str | None = None
-    """Weight/activation scheme: W8A16 and W4A16 (weight-only INT8/INT4), W4A16_AWQ / W4A16_GPTQ (per-group
-    INT4), W8A8_SQ_PER_CHANNEL (SmoothQuant), FP8; None for no quantization."""
+    """W8A16 / W4A16: weight-only int8 / int4 per output channel; W4A16_GPTQ / W4A16_AWQ: int4 per group of
+    group_size input columns (AWQ with zero points); W8A8_SQ_PER_CHANNEL[_PER_TOKEN]: SmoothQuant int8 weights
+    and activations (static per-tensor or dynamic per-token activation scales); FP8[_PER_CHANNEL_PER_TOKEN]: e4m3
+    weights per channel, activations with a static or per-token scale; None: no weight quantization."""
     kv_cache_quant_algo: str | None = None
-    """KV cache storage: INT8 or FP8; None keeps the model's dtype."""
-    group_size: int = 128
-    """Columns per scale for the per-group schemes."""
+    """KV cache storage: INT8 or FP8 with calibrated per-layer scales; None keeps the model's dtype."""
+    group_size: int | None = 128
+    """Input columns per scale for the per-group int4 schemes (32, 64 or 128)."""
+    has_zero_point: bool = False
+    """The int4 groups carry zero points (AWQ); set automatically for W4A16_AWQ."""
     smoothquant_val: float = 0.5
-    """SmoothQuant's migration strength alpha."""
-    exclude_modules: list[str] = field(default_factory=list)
-    """Module name patterns left unquantized (the LM head by default)."""
+    """SmoothQuant's migration strength alpha, in [0, 1]."""
+    exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Modules left unquantized (by name suffix: lm_head, o_proj, ...)."""
 
     def __post_init__(self):
         require_choice("QuantConfig", "quant_algo", self.quant_algo, QUANT_ALGOS)
         require_choice("QuantConfig", "kv_cache_quant_algo", self.kv_cache_quant_algo, KV_CACHE_QUANT_ALGOS)
-        require_positive("QuantConfig", group_size=self.group_size, smoothquant_val=self.smoothquant_val)
-        reject_unsupported(self, ["quant_algo", "kv_cache_quant_algo"], "quantization is not implemented yet")
+        require(0.0 <= self.smoothquant_val <= 1.0, f"QuantConfig.smoothquant_val={self.smoothquant_val} must be in [0, 1]")
+        if self.quant_algo in GROUP_ALGOS:
+            require(self.group_size in (32, 64, 128), f"QuantConfig: {self.quant_algo} needs group_size 32, 64 or 128, "
+                                                      f"got {self.group_size!r}")
+        if self.quant_algo == "W4A16_AWQ":
+            self.has_zero_point = True
 
     @property
     def enabled(self) -> bool:
         return self.quant_algo is not None or self.kv_cache_quant_algo is not None
+
+    def quantizes(self, module_name: str) -> bool:
+        """Whether the linear layer `module_name` (e.g. layers.3.attn.qkv_proj) gets quant_algo."""
+        return self.quant_algo is not None and not any(module_name.endswith(e) for e in self.exclude_modules)
+
+    @property
+    def static_activations(self) -> bool:
+        return self.quant_algo in ("W8A8_SQ_PER_CHANNEL", "FP8")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.static_activations or self.kv_cache_quant_algo is not None or \
+            (self.quant_algo or "").startswith("W8A8")
