@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from . import reference
+from . import quant, reference
 from .metadata import AttentionMetadata
 from .rotary import rope_cos_sin, rope_inv_freq
 
@@ -18,9 +18,11 @@ class ReferenceOps:
     silu_and_mul = staticmethod(reference.silu_and_mul)
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
+    quant_linear = staticmethod(quant.quant_linear)
 
     @staticmethod
-    def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
+    def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
+                       kv_scale=None):
         """Rotate q, k of the fused projection (T, (H + 2KH) D), write k, v to the cache; return q (T, H, D)."""
         t = qkv.shape[0]
         if "cos_sin" not in meta.scratch:                      # one gather per step, shared by all layers
@@ -28,12 +30,12 @@ class ReferenceOps:
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k = reference.rotary(q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), positions,
                                 meta.scratch["cos_sin"])
-        reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping)
+        reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping, kv_scale)
         return q
 
     @staticmethod
-    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window)
+    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
+        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
 
 class TritonOps(ReferenceOps):
@@ -48,15 +50,19 @@ class TritonOps(ReferenceOps):
         self.add_rms_norm = triton_kernels.add_rms_norm
         self.silu_and_mul = triton_kernels.silu_and_mul
 
-    def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim):
-        return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)
+    def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale=None):
+        return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim,
+                                      kv_scale)
 
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
         if meta.max_query_len > 1 and not self.context_fmha:
-            return reference.paged_attention(q, kv_cache, meta, scale, sliding_window)
+            return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
         return self._k.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
-                                       part_tokens=meta.part_tokens)
+                                       part_tokens=meta.part_tokens, kv_scale=kv_scale)
+
+    def quant_linear(self, x, algo, params, bias=None):
+        return self._k.quant_linear(x, algo, params, bias)
 
 
 def select_ops(device: torch.device | str, context_fmha: bool = True):

@@ -45,10 +45,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v (T, KH, D) at their slots of kv_cache (2, num_blocks, tokens_per_block, KH, D)."""
-    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k
-    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """k or v in the cache's dtype: as is, or divided by its scale and rounded to int8 / cast to fp8."""
+    if dtype == torch.int8:
+        return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-448, 448).to(dtype)
+    return x.to(dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Store k, v (T, KH, D) at their slots of kv_cache (2, num_blocks, tokens_per_block, KH, D); a quantized
+    cache stores k / kv_scale[0] and v / kv_scale[1]."""
+    ks, vs = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (None, None)
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = quantize_kv(k, ks, kv_cache.dtype)
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = quantize_kv(v, vs, kv_cache.dtype)
 
 
 def _gather_plan(meta: AttentionMetadata, sliding_window: int | None):
@@ -73,7 +85,7 @@ def _gather_plan(meta: AttentionMetadata, sliding_window: int | None):
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's cached keys/values → (T, H, D).
 
     The new tokens' k/v must already be written to the cache (write_kv). Grouped-query heads attend as
@@ -83,6 +95,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     group = heads // kv_heads
     k = kv_cache[0].flatten(0, 1)[slots].transpose(1, 2)                       # (B, KH, K, D)
     v = kv_cache[1].flatten(0, 1)[slots].transpose(1, 2)
+    if kv_scale is not None:                                                    # a quantized cache
+        k, v = (k.float() * kv_scale[0]).to(q.dtype), (v.float() * kv_scale[1]).to(q.dtype)
     b, queries = q_index.shape
     qp = q[q_index].view(b, queries, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, dim)
     if group > 1 and queries > 1:

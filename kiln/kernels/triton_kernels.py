@@ -62,9 +62,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # --- rotary embedding + KV-cache write -----------------------------------------------------------------------
 @triton.jit
-def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, cache_half,
+def _to_cache(x, scale, cache_ptr, KV_QUANT: tl.constexpr):
+    """A float32 k or v block in the cache's dtype (KV_QUANT 1: int8, 2: fp8, both divided by scale)."""
+    if KV_QUANT == 1:
+        y = x / scale
+        return tl.clamp(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0, 127.0).to(tl.int8)
+    elif KV_QUANT == 2:
+        return tl.clamp(x / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, cache_half, kv_scale_ptr,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, KV_QUANT: tl.constexpr):
     """One program per token: rotate its q heads into q_out, its k heads into the cache, copy its v heads."""
     token = tl.program_id(0).to(tl.int64)
     dim = 2 * HALF
@@ -88,24 +100,37 @@ def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q
         k_src = row + (HEADS + kh[:, None]) * dim + d[None, :]
         k1 = tl.load(k_src, mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=km, other=0.0).to(tl.float32)
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_QUANT > 0:
+            k_scale = tl.load(kv_scale_ptr)
+            v_scale = tl.load(kv_scale_ptr + 1)
         k_dst = cache_ptr + (slot * KV_HEADS + kh[:, None]) * dim + d[None, :]
-        tl.store(k_dst, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=km)
-        tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=km)
+        tl.store(k_dst, _to_cache(k1 * cos - k2 * sin, k_scale, cache_ptr, KV_QUANT), mask=km)
+        tl.store(k_dst + HALF, _to_cache(k2 * cos + k1 * sin, k_scale, cache_ptr, KV_QUANT), mask=km)
         v_src = k_src + KV_HEADS * dim
-        tl.store(k_dst + cache_half, tl.load(v_src, mask=km, other=0.0), mask=km)
-        tl.store(k_dst + cache_half + HALF, tl.load(v_src + HALF, mask=km, other=0.0), mask=km)
+        v1 = tl.load(v_src, mask=km, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF, mask=km, other=0.0).to(tl.float32)
+        tl.store(k_dst + cache_half, _to_cache(v1, v_scale, cache_ptr, KV_QUANT), mask=km)
+        tl.store(k_dst + cache_half + HALF, _to_cache(v2, v_scale, cache_ptr, KV_QUANT), mask=km)
+
+
+def _kv_quant(kv_cache: torch.Tensor) -> int:
+    return {torch.int8: 1, torch.float8_e4m3fn: 2}.get(kv_cache.dtype, 0)
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                   kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q and k of the fused projection qkv (T, (H + 2KH) D); k, v go to their cache slots.
     Returns the rotated q (T, H, D)."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _rope_and_cache_kernel[(tokens,)](qkv, positions, cos_sin, slot_mapping, kv_cache, q, kv_cache[0].numel(),
+                                      cos_sin if kv_scale is None else kv_scale,
                                       HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
                                       HEADS_PAD=triton.next_power_of_2(heads),
-                                      KV_PAD=triton.next_power_of_2(kv_heads), num_warps=4)
+                                      KV_PAD=triton.next_power_of_2(kv_heads), KV_QUANT=_kv_quant(kv_cache), num_warps=4)
     return q
 
 
@@ -113,10 +138,10 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
-        part_m_ptr, part_l_ptr, part_acc_ptr, scale, window,
+        part_m_ptr, part_l_ptr, part_acc_ptr, scale, window, kv_scale_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
-        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr):
+        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K)."""
@@ -157,6 +182,9 @@ def _paged_attention_kernel(
         kv_offsets = ((block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head)[:, None] * DIM + d[None, :]
         k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
         v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0)
+        if KV_QUANT > 0:                                              # dequantize the cached keys and values
+            k = (k.to(tl.float32) * tl.load(kv_scale_ptr)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(kv_scale_ptr + 1)).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
@@ -200,7 +228,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
-                    num_parts: int = 1, part_tokens: int | None = None, tile: int = 64) -> torch.Tensor:
+                    num_parts: int = 1, part_tokens: int | None = None, tile: int = 64,
+                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them."""
@@ -223,11 +252,87 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (seq_lens.shape[0], kv_heads, triton.cdiv(max_query_len, block_q) * num_parts)
     _paged_attention_kernel[grid](
         q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
-        part_m, part_l, part_acc, scale, sliding_window or 0, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
+        part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
         DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
-        NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
+        num_warps=4, num_stages=2)
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)
     return out
 
+
+
+# --- matrix products on quantized weights ----------------------------------------------------------------------
+@triton.jit
+def _weight_only_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, GROUPS,
+                               BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (M, N) = x (M, K) @ dequant(w)^T, dequantizing int8 or packed int4 weights tile by tile."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
+        if BITS == 8:
+            q = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+        else:
+            packed = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rk[None, :] // 2, mask=n_ok[:, None], other=0)
+            q = ((packed >> ((rk[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        group = k0 // GROUP
+        s = tl.load(scale_ptr + rn * GROUPS + group, mask=n_ok, other=0.0)[:, None]
+        if HAS_ZERO:
+            q = q - tl.load(zero_ptr + rn * GROUPS + group, mask=n_ok, other=0.0)[:, None]
+        elif BITS == 4:
+            q = q - 8.0
+        acc += tl.dot(x, tl.trans((q * s).to(x.dtype)))
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & n_ok[None, :])
+
+
+def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       bits: int) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    scale2d = scale.reshape(n, -1)
+    groups = scale2d.shape[1]
+    group = k // groups
+    block_k = min(64, group)
+    block_m = 16 if m <= 16 else 64
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _weight_only_matmul_kernel[grid](x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, m, n, k,
+                                     groups, BITS=bits, HAS_ZERO=zero is not None, GROUP=group, BLOCK_M=block_m,
+                                     BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return out
+
+
+def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
+    """Quantized linear layers on the GPU: Triton for weight-only int8/int4, torch._scaled_mm for FP8,
+    torch._int_mm for W8A8 (the reference where a product's shape is below those kernels' minimums)."""
+    from . import quant
+
+    if algo == "W8A16" or algo.startswith("W4A16"):
+        out = weight_only_matmul(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
+                                 8 if algo == "W8A16" else 4)
+    elif algo.startswith("FP8"):
+        xs = x.float() / params["smoother"] if "smoother" in params else x
+        qx, sx = quant.quantize_activations_fp8(xs, params.get("input_scale"))
+        sx = sx.expand(x.shape[0], 1).contiguous() if sx.dim() < 2 or sx.shape[0] != x.shape[0] else sx
+        out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx.float(),
+                               scale_b=params["weight_scale"].float()[None, :], out_dtype=x.dtype)
+    elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
+        xs = x.float() / params["smoother"] if "smoother" in params else x.float()
+        static = params.get("input_scale")
+        if static is None:
+            qx, sx = quant.quantize_activations_int8(xs)
+        else:
+            qx, sx = torch.round(xs / static).clamp(-127, 127).to(torch.int8), static
+        acc = torch._int_mm(qx, params["weight"].t())
+        out = (acc.float() * sx * params["weight_scale"][None, :]).to(x.dtype)
+    else:
+        return quant.quant_linear(x, algo, params, bias)
+    return out if bias is None else out + bias

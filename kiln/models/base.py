@@ -30,13 +30,25 @@ class PretrainedModel:
     @classmethod
     def from_hugging_face(cls, model_dir: str | Path, dtype: str = "auto", mapping: Mapping | None = None,
                           quant_config: QuantConfig | None = None, convert_config: ConvertConfig | None = None,
-                          quiet: bool = False):
+                          quiet: bool = False, calib_size: int = 16):
         """Load an HF model directory (safetensors or .bin, sharded or not), a GGUF file (dequantised), or an
-        in-memory transformers model (its tensors are used as they are, on their device)."""
-        mapping, quant_config = mapping or Mapping(), quant_config or QuantConfig()
+        in-memory transformers model (its tensors are used as they are, on their device); then quantize it when
+        `quant_config` (or `convert_config`'s quantization flags) asks for it, calibrating on calib_size
+        sequences of Kiln's calibration text."""
+        mapping = mapping or Mapping()
         if mapping.world_size > 1:
             raise ValueError(f"tensor/pipeline parallelism (tp_size={mapping.tp_size}, pp_size={mapping.pp_size}) "
                              "is not supported by Kiln yet")
+        if convert_config is not None and quant_config is None:
+            quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
+        model = cls._load_hugging_face(model_dir, dtype, convert_config, quiet)
+        if quant_config is not None and quant_config.enabled:
+            from kiln.quantization import quantize_model
+            model = quantize_model(model, quant_config, calib_size, quiet)
+        return model
+
+    @classmethod
+    def _load_hugging_face(cls, model_dir, dtype: str, convert_config: ConvertConfig | None, quiet: bool):
         if hasattr(model_dir, "state_dict") and hasattr(model_dir, "config"):
             return cls._from_transformers_model(model_dir, dtype)
         log = StepLog("Load", 2, quiet)

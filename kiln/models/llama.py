@@ -12,6 +12,8 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps, reference, rope_cos_sin, select_ops
 
+from kiln.checkpoint.layout import linear_shapes
+
 from .base import PretrainedModel
 
 
@@ -29,25 +31,72 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class Linear(nn.Module):
+    """y = x W^T + b through the kernels; parameters named as nn.Linear's."""
+
+    ops = ReferenceOps
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with quantized weights (formats in kiln.kernels.quant)."""
+
+    ops = ReferenceOps
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
+        super().__init__()
+        self.algo = algo
+        dtypes = {"weight": torch.uint8 if algo.startswith("W4A16") else
+                  torch.float8_e4m3fn if algo.startswith("FP8") else torch.int8}
+        for name, shape in shapes.items():
+            if name != "bias":
+                self.register_buffer(name, torch.empty(shape, dtype=dtypes.get(name, torch.float32)))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def quant_params(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+    def forward(self, x):
+        return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
+
+
+def make_linear(name: str, in_features: int, out_features: int, bias: bool, config: PretrainedConfig) -> nn.Module:
+    """A plain or a quantized linear layer, as config.quantization decides for the module `name`."""
+    quant = config.quantization
+    if not quant.quantizes(name):
+        return Linear(in_features, out_features, bias)
+    shapes = linear_shapes(name, out_features, in_features, bias, config)
+    return QuantLinear(in_features, out_features, bias, {k[len(name) + 1:]: v for k, v in shapes.items()},
+                       quant.quant_algo)
+
+
 class Attention(nn.Module):
     ops = ReferenceOps
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim,
-                                  bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.dense_bias)
+        self.qkv_proj = make_linear("attn.qkv_proj", config.hidden_size,
+                                    (self.heads + 2 * self.kv_heads) * self.head_dim, config.attention_bias, config)
+        self.o_proj = make_linear("attn.o_proj", self.heads * self.head_dim, config.hidden_size, config.dense_bias, config)
         self.scale = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window
+        # (k scale, v scale) of a quantized cache; None keeps the cache in the model's dtype
+        self.register_buffer("kv_scale", torch.empty(2) if config.quantization.kv_cache_quant_algo else None)
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
         t = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q = self.ops.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache,
-                                    self.heads, self.kv_heads, self.head_dim)          # (T, H, D); k, v cached
-        out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window)  # (T, H, D)
-        return self.ops.linear(out.reshape(t, self.heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads, self.kv_heads,
+                                    self.head_dim, self.kv_scale)                  # (T, H, D); k, v cached
+        out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window, self.kv_scale)  # (T, H, D)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):
@@ -55,12 +104,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = make_linear("mlp.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
+                                        config.mlp_bias, config)
+        self.down_proj = make_linear("mlp.down_proj", config.intermediate_size, config.hidden_size, config.mlp_bias,
+                                     config)
 
     def forward(self, x):
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -105,7 +155,8 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_epsilon)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else make_linear("lm_head", config.hidden_size,
+                                                                           config.vocab_size, False, config)
         self.cos_sin: torch.Tensor | None = None  # (max_seq_len, head_dim), set by load()
 
     @classmethod
@@ -136,25 +187,31 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) → (N, vocab) float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+
+_SHARED = ("input_scale", "smoother")   # per input channel/tensor: the same for every fused part
 
 
 def fuse_weights(config: PretrainedConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint layout → engine layout: q/k/v and gate/up concatenated along the output dimension."""
+    """Checkpoint layout → engine layout: q/k/v and gate/up concatenated along the output dimension (weights,
+    biases and per-output scales; input scales and smoothers are shared by the parts and kept once)."""
     out = {}
+    parts = {"q_proj": ("qkv_proj", ["q_proj", "k_proj", "v_proj"]), "gate_proj": ("gate_up_proj", ["gate_proj", "up_proj"])}
+    skip = {"k_proj", "v_proj", "up_proj"}
     for name, tensor in weights.items():
-        if ".attn.k_proj." in name or ".attn.v_proj." in name or ".mlp.up_proj." in name or name.endswith("moe.up_proj"):
-            continue
-        if ".attn.q_proj." in name:
-            kind = name.rsplit(".", 1)[1]
-            base = name.split(".attn.")[0]
-            out[f"{base}.attn.qkv_proj.{kind}"] = torch.cat(
-                [weights[f"{base}.attn.{p}_proj.{kind}"] for p in "qkv"], dim=0)
-        elif ".mlp.gate_proj." in name:
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, weights[name.replace("gate", "up")]], 0)
-        elif name.endswith("moe.gate_proj"):
+        base, _, suffix = name.rpartition(".")
+        head, _, module = base.rpartition(".")
+        if name.endswith("moe.gate_proj"):
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, weights[name.replace("gate", "up")]], 1)
+        elif name.endswith("moe.up_proj") or module in skip:
+            continue
+        elif module in parts:
+            fused, members = parts[module]
+            pieces = [weights[f"{head}.{m}.{suffix}"] for m in members]
+            out[f"{head}.{fused}.{suffix}"] = pieces[0] if suffix in _SHARED else torch.cat(pieces, dim=0)
         else:
             out[name] = tensor
     return out

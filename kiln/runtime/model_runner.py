@@ -54,14 +54,19 @@ class ModelRunner:
         self.last_logits: dict[int, torch.Tensor] = {}     # seq id → (V,) logits of its last computed token
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        kind = self.config.quantization.kv_cache_quant_algo
+        return {"INT8": torch.int8, "FP8": torch.float8_e4m3fn}.get(kind, getattr(torch, self.config.dtype))
+
+    @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * getattr(torch, c.dtype).itemsize
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv_dtype.itemsize
 
     def allocate_kv(self, num_blocks: int) -> None:
         c = self.config
         shape = (2, num_blocks, self.tokens_per_block, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=getattr(torch, c.dtype), device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(c.num_hidden_layers)]
 
     def capture_graphs(self) -> None:

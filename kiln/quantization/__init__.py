@@ -1,0 +1,154 @@
+"""Offline quantization of a model in the checkpoint layout: calibration, SmoothQuant, weight packing.
+
+    quantized = quantize_model(model, QuantConfig(quant_algo="W4A16_AWQ", group_size=128), calib_size=16)
+
+Calibration runs the float model (reference kernels) over Kiln's own calibration text
+(kiln/data/calibration.txt) and records, per linear layer, each input channel's largest magnitude, and per
+layer the largest cached key and value. From those: SmoothQuant factors, static activation scales and KV scales.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import random
+
+import torch
+
+from kiln.config import QuantConfig
+from kiln.kernels import AttentionMetadata, ReferenceOps, quant
+from kiln.models.base import PretrainedModel
+from kiln.utils.steps import progress
+
+CALIBRATION_SEQ_LEN = 256
+INT8_MAX, FP8_MAX = 127.0, quant.FP8_MAX
+
+
+def calibration_tokens(model: PretrainedModel, calib_size: int, seq_len: int = CALIBRATION_SEQ_LEN) -> list[list[int]]:
+    """`calib_size` token sequences from Kiln's calibration text (random tokens when the model has no tokenizer)."""
+    from kiln.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model.tokenizer_files)
+    if tokenizer is None:
+        rng = random.Random(0)
+        return [[rng.randrange(model.config.vocab_size) for _ in range(seq_len)] for _ in range(calib_size)]
+    text = importlib.resources.files("kiln.data").joinpath("calibration.txt").read_text()
+    ids = tokenizer.encode(text)
+    chunks = [ids[i:i + seq_len] for i in range(0, max(1, len(ids) - seq_len // 4), seq_len // 2)]
+    return [chunks[i % len(chunks)] for i in range(calib_size)]
+
+
+@dataclasses.dataclass
+class CalibrationStats:
+    inputs: dict[str, torch.Tensor]      # engine module name → (in_features,) largest |input| per channel
+    kv: list[tuple[float, float]]        # per layer: largest |key|, largest |value|
+
+
+@torch.inference_mode()
+def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = False) -> CalibrationStats:
+    float_config = dataclasses.replace(model.config, quantization=QuantConfig())
+    device = next(iter(model.weights.values())).device
+    max_len = max(len(s) for s in sequences)
+    net = model.network_class.load(float_config, model.engine_weights(), max_len, device, ops=ReferenceOps())
+    inputs: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(_module, args):
+            x = args[0].detach().float().abs().amax(dim=0)
+            inputs[name] = torch.maximum(inputs[name], x) if name in inputs else x
+        return hook
+
+    for name, module in net.named_modules():
+        if type(module).__name__ == "Linear":
+            module.register_forward_pre_hook(record(name))
+    c = float_config
+    blocks = -(-max_len // 16)
+    caches = [torch.zeros((2, blocks, 16, c.num_key_value_heads, c.head_dim), dtype=getattr(torch, c.dtype),
+                          device=device) for _ in range(c.num_hidden_layers)]
+    kv = [(0.0, 0.0)] * c.num_hidden_layers
+    for seq in progress(sequences, "Calibrating", quiet=quiet):
+        n = len(seq)
+        t = lambda values: torch.tensor(values, device=device)  # noqa: E731
+        meta = AttentionMetadata(t(list(range(n))), t([0, n]), t([n]), t([list(range(-(-n // 16)))]), n, n, 16)
+        net.compute_logits(net(t(seq), t(list(range(n))), meta, caches))
+        kv = [(max(k, float(cache[0].abs().max())), max(v, float(cache[1].abs().max())))
+              for (k, v), cache in zip(kv, caches)]
+        for cache in caches:
+            cache.zero_()
+    return CalibrationStats(inputs, kv)
+
+
+# (fused engine module, its checkpoint parts, the norm before it that can absorb SmoothQuant factors)
+def _linear_groups(config) -> list[tuple[str, list[str], str | None]]:
+    groups = []
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        groups += [(p + "attn.qkv_proj", [p + "attn.q_proj", p + "attn.k_proj", p + "attn.v_proj"], p + "input_norm"),
+                   (p + "attn.o_proj", [p + "attn.o_proj"], None)]
+        if not config.is_moe:
+            groups += [(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], p + "post_attn_norm"),
+                       (p + "mlp.down_proj", [p + "mlp.down_proj"], None)]
+    if not config.tie_word_embeddings:
+        groups.append(("lm_head", ["lm_head"], None))
+    return groups
+
+
+def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size: int = 16,
+                   quiet: bool = False) -> PretrainedModel:
+    """A copy of `model` with its weights (and KV-cache scales) quantized as `quant_config` says."""
+    if model.config.quantization.enabled:
+        raise ValueError("the model is already quantized")
+    config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
+    stats = calibrate(model, calibration_tokens(model, calib_size), quiet) if quant_config.needs_calibration else None
+    weights = dict(model.weights)
+    algo = quant_config.quant_algo
+    for fused, parts, norm in _linear_groups(config):
+        if quant_config.quantizes(fused):
+            _quantize_group(weights, quant_config, algo, fused, parts, norm, stats)
+    if quant_config.kv_cache_quant_algo:
+        limit = INT8_MAX if quant_config.kv_cache_quant_algo == "INT8" else FP8_MAX
+        for i, (k, v) in enumerate(stats.kv):
+            weights[f"layers.{i}.attn.kv_scale"] = torch.tensor([max(k, 1e-6) / limit, max(v, 1e-6) / limit])
+    return type(model)(config, weights, model.tokenizer_files, source="quantized model")
+
+
+def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, parts: list[str], norm: str | None,
+                    stats: CalibrationStats | None) -> None:
+    mats = [weights.pop(p + ".weight").float() for p in parts]
+    smoother = None
+    if algo.startswith("W8A8"):                           # SmoothQuant: move activation outliers into the weights
+        x_max = stats.inputs[fused].to(mats[0].device).clamp_min(1e-5)
+        w_max = torch.stack([m.abs().amax(dim=0) for m in mats]).amax(dim=0).clamp_min(1e-5)
+        alpha = quant_config.smoothquant_val
+        smoother = (x_max.pow(alpha) / w_max.pow(1 - alpha)).clamp(1e-4, 1e4)
+        mats = [m * smoother for m in mats]               # x W^T == (x / s) (W s)^T
+        if norm is not None:                               # the norm feeding these layers absorbs 1/s
+            weight = weights[norm + ".weight"]
+            weights[norm + ".weight"] = (weight.float() / smoother).to(weight.dtype)
+    input_scale = None
+    if quant_config.static_activations:
+        x_max = stats.inputs[fused].to(mats[0].device)
+        if smoother is not None:
+            x_max = x_max / smoother
+        limit = INT8_MAX if algo.startswith("W8A8") else FP8_MAX
+        input_scale = torch.tensor([max(float(x_max.max()), 1e-6) / limit])
+    for part, mat in zip(parts, mats):
+        weights.update(_quantize_matrix(part, mat, algo, quant_config))
+        if input_scale is not None:
+            weights[part + ".input_scale"] = input_scale
+        if smoother is not None and norm is None:          # not absorbed: divided at run time
+            weights[part + ".smoother"] = smoother
+
+
+def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
+    if algo == "W8A16" or algo.startswith("W8A8"):
+        q, scale = quant.quantize_int8(w)
+        return {base + ".weight": q, base + ".weight_scale": scale}
+    if algo.startswith("W4A16"):
+        group = quant_config.group_size if algo in ("W4A16_GPTQ", "W4A16_AWQ") else None
+        packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
+        out = {base + ".weight": packed, base + ".weight_scale": scale}
+        if zero is not None:
+            out[base + ".weight_zero"] = zero
+        return out
+    q, scale = quant.quantize_fp8(w)
+    return {base + ".weight": q, base + ".weight_scale": scale}
