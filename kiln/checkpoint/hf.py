@@ -11,6 +11,8 @@ import torch
 from kiln.config import PretrainedConfig
 from kiln.config.pretrained import check_architecture
 
+from .prequantized import SUFFIXES, convert_layer, quant_config_from_hf
+
 # HF name (after removing a leading "model.") → Kiln checkpoint name.
 _NAME_RULES = [
     (re.compile(r"embed_tokens\.weight"), "embed_tokens.weight"),
@@ -76,6 +78,9 @@ def config_from_hf_dict(raw: dict, dtype: str = "auto", path: Path | str = "conf
         fields.update(sliding_window=raw.get("sliding_window"))
     if architecture == "MixtralForCausalLM":
         fields.update(moe_num_experts=raw["num_local_experts"], moe_top_k=raw["num_experts_per_tok"], moe_renorm_mode=1)
+    quantization = quant_config_from_hf(raw)
+    if quantization is not None:
+        fields.update(quantization=quantization, dtype="float16" if fields["dtype"] == "float32" else fields["dtype"])
     return PretrainedConfig(**fields)
 
 
@@ -147,9 +152,14 @@ def convert_hf_tensors(tensors, config: PretrainedConfig) -> dict[str, torch.Ten
     dtype = _DTYPES[config.dtype]
     weights: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}       # AWQ/GPTQ layers: base name → their tensors
     for hf_name, tensor, path in tensors:
         name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
         if _IGNORED.fullmatch(name):
+            continue
+        base, _, suffix = name.rpartition(".")
+        if suffix in SUFFIXES and config.quantization.quant_algo:
+            packed.setdefault(_rename(base + ".weight", hf_name, path)[:-len(".weight")], {})[suffix] = tensor
             continue
         if m := _EXPERT.fullmatch(name):
             experts.setdefault((int(m[1]), _EXPERT_NAMES[m[3]]), {})[int(m[2])] = tensor.to(dtype)
@@ -159,6 +169,8 @@ def convert_hf_tensors(tensors, config: PretrainedConfig) -> dict[str, torch.Ten
             weights[_rename(name, hf_name, path)] = tensor.to(dtype)
     for (layer, kind), per_expert in experts.items():
         weights[f"layers.{layer}.moe.{kind}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+    for base, layer in packed.items():
+        weights.update({f"{base}.{k}": v for k, v in convert_layer(layer, config.quantization).items()})
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return weights

@@ -27,7 +27,7 @@ def linear_shapes(base: str, out_features: int, in_features: int, bias: bool,
     if algo is None:
         shapes[base + ".weight"] = (out_features, in_features)
     elif algo.startswith("W4A16"):
-        groups = in_features // quant.group_size if algo in ("W4A16_GPTQ", "W4A16_AWQ") else 1
+        groups = -(-in_features // quant.group_size) if algo in ("W4A16_GPTQ", "W4A16_AWQ") else 1
         shapes[base + ".weight"] = (out_features, in_features // 2)
         shapes[base + ".weight_scale"] = (out_features, groups)
         if quant.has_zero_point:

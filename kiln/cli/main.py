@@ -90,6 +90,18 @@ def _bench_parser(sub) -> None:
     p.set_defaults(handler=cmd_bench)
 
 
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate an engine (or any model Kiln can load)")
+    p.add_argument("metric", choices=("ppl",), help="ppl: perplexity on a text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="Kiln engine directory")
+    src.add_argument("--model_dir", help="HF directory, GGUF file or Kiln checkpoint (built on the fly)")
+    p.add_argument("--text", required=True, help="a UTF-8 text file")
+    p.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(handler=cmd_eval)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     _run_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)
+    _eval_parser(sub)
     return p
 
 
@@ -234,6 +247,27 @@ def cmd_demo(args) -> None:
         build(model, BuildConfig(max_batch_size=8, max_input_len=1024, max_seq_len=2048)).save(work / "engine")
         print(f"3. run the engine {work / 'engine'}", file=sys.stderr)
         _chat(LLM(work / "engine", device=args.device), args)
+
+
+def cmd_eval(args) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from kiln.evaluate import perplexity
+    from kiln.llm import load_engine
+    from kiln.tokenizer import load_tokenizer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = Path(args.text)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    engine = load_engine(args.engine_dir or args.model_dir, quiet=True, device=device)
+    tokenizer = load_tokenizer(engine.tokenizer_files)
+    if tokenizer is None:
+        raise ValueError("the engine has no tokenizer to turn the text into tokens")
+    ppl, count = perplexity(engine, tokenizer.encode(path.read_text()), device, args.window)
+    print(f"perplexity {ppl:.4f} over {count} tokens ({path.name})")
 
 
 def cmd_bench(args) -> None:

@@ -3,10 +3,10 @@ reference matrix products on them.
 
 All matrices are (out, in) like nn.Linear. Layouts (the names a checkpoint and an engine use):
 - int8, per output channel: `weight` int8 (out, in), `weight_scale` (out,) float32; w ≈ q * scale.
-- int4, per channel or per group of `group_size` input columns: `weight` uint8 (out, in/2) holding two 4-bit
-  values per byte (low nibble = even column), `weight_scale` (out, in/group) float32, and with a zero point
-  (AWQ) `weight_zero` (out, in/group) float32: w ≈ (q - zero) * scale, q in [0, 15]; without one q - 8 is the
-  signed value.
+- int4, per channel or per group of `group_size` input columns (the last group may be shorter): `weight` uint8
+  (out, in/2) holding two 4-bit values per byte (low nibble = even column), `weight_scale` (out, groups) float32,
+  and with a zero point (AWQ) `weight_zero` (out, groups) float32: w ≈ (q - zero) * scale, q in [0, 15];
+  without one q - 8 is the signed value.
 - fp8 (e4m3), per output channel: `weight` float8_e4m3fn (out, in), `weight_scale` (out,) float32.
 """
 from __future__ import annotations
@@ -30,24 +30,32 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int | None, zero_point: bool = False):
-    """4-bit weights per group of input columns (group_size None: one group per row). Returns
-    (packed uint8 (out, in/2), scale (out, groups), zero (out, groups) or None)."""
+    """4-bit weights per group of input columns (group_size None: one group per row; a last group may be
+    shorter). Returns (packed uint8 (out, in/2), scale (out, groups), zero (out, groups) or None). Zero points
+    are kept as floats (w = q * scale + min exactly reproduces min/max grids such as GGUF's Q4_1)."""
     out_features, in_features = w.shape
+    if in_features % 2:
+        raise ValueError(f"int4 quantization needs an even input size, got {in_features}")
     group = group_size or in_features
-    if in_features % group or in_features % 2:
-        raise ValueError(f"int4 quantization needs the input size {in_features} to be even and a multiple of "
-                         f"group_size={group}")
-    g = w.float().reshape(out_features, in_features // group, group)
+    groups = -(-in_features // group)
+    g = _pad_columns(w.float(), groups * group).reshape(out_features, groups, group)
+    real = _pad_columns(torch.ones_like(w, dtype=torch.bool), groups * group).reshape(g.shape)
     if zero_point:
-        low, high = g.amin(dim=2), g.amax(dim=2)
+        low = torch.where(real, g, torch.inf).amin(dim=2)
+        high = torch.where(real, g, -torch.inf).amax(dim=2)
         scale = ((high - low) / 15.0).clamp_min(1e-8)
-        zero = torch.round(-low / scale).clamp(0, 15)
+        zero = -low / scale
         q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
     else:
         scale = g.abs().amax(dim=2).clamp_min(1e-8) / 7.0
         zero = None
         q = torch.round(g / scale[..., None]).clamp(-8, 7) + 8
-    return pack_int4(q.reshape(out_features, in_features).to(torch.uint8)), scale, zero
+    q = q.reshape(out_features, groups * group)[:, :in_features]
+    return pack_int4(q.to(torch.uint8)), scale, zero
+
+
+def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -61,13 +69,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
+def int4_group_size(in_features: int, groups: int) -> int:
+    """The group size behind `groups` scales per row (group sizes are powers of two; one group: the row)."""
+    if groups == 1:
+        return in_features
+    return 1 << (-(-in_features // groups) - 1).bit_length()
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
     q = unpack_int4(packed).float()
     out_features, in_features = q.shape
-    groups = scale.shape[1]
-    q = q.reshape(out_features, groups, in_features // groups)
-    offset = zero[..., None] if zero is not None else 8.0
-    return ((q - offset) * scale[..., None]).reshape(out_features, in_features)
+    group = int4_group_size(in_features, scale.shape[1])
+    column_group = torch.arange(in_features, device=q.device) // group            # group of each column
+    offset = zero[:, column_group] if zero is not None else 8.0
+    return (q - offset) * scale[:, column_group]
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -297,9 +297,11 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
                        bits: int) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
+    from .quant import int4_group_size
+
     scale2d = scale.reshape(n, -1)
     groups = scale2d.shape[1]
-    group = k // groups
+    group = int4_group_size(k, groups)
     block_k = min(64, group)
     block_m = 16 if m <= 16 else 64
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

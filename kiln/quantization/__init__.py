@@ -133,10 +133,10 @@ def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, p
         input_scale = torch.tensor([max(float(x_max.max()), 1e-6) / limit])
     for part, mat in zip(parts, mats):
         weights.update(_quantize_matrix(part, mat, algo, quant_config))
-        if input_scale is not None:
-            weights[part + ".input_scale"] = input_scale
+        if input_scale is not None:                        # one tensor per part: safetensors refuses shared memory
+            weights[part + ".input_scale"] = input_scale.clone()
         if smoother is not None and norm is None:          # not absorbed: divided at run time
-            weights[part + ".smoother"] = smoother
+            weights[part + ".smoother"] = smoother.clone()
 
 
 def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:

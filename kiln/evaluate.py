@@ -1,0 +1,34 @@
+"""`kiln eval ppl`: perplexity of an engine on a text, in non-overlapping windows of at most `window` tokens."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.builder import Engine
+from kiln.kernels import AttentionMetadata
+
+
+@torch.inference_mode()
+def perplexity(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
+               window: int | None = None) -> tuple[float, int]:
+    """(perplexity, number of predicted tokens): each window predicts its tokens 2..n from the ones before."""
+    from kiln.runtime.model_runner import ModelRunner
+
+    window = min(window or 512, engine.build_config.max_input_len, engine.build_config.max_num_tokens)
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs a text of at least two tokens")
+    runner = ModelRunner(engine, torch.device(device))
+    bs = runner.tokens_per_block
+    runner.allocate_kv(-(-window // bs))
+    t = lambda values: torch.tensor(values, dtype=torch.int64, device=runner.device)  # noqa: E731
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window + 1]
+        inputs, targets = chunk[:-1], chunk[1:]
+        n = len(inputs)
+        meta = AttentionMetadata(t(list(range(n))), t([0, n]), t([n]), t([list(range(-(-n // bs)))]), n, n, bs)
+        logits = runner.net.compute_logits(runner.net(t(inputs), t(list(range(n))), meta, runner.kv_caches))
+        total -= torch.log_softmax(logits, dim=-1).gather(1, t(targets)[:, None]).sum().item()
+        count += len(targets)
+    return math.exp(total / count), count
