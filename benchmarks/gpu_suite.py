@@ -241,6 +241,32 @@ def load(args):
         log(f"load_{attempt}_process", (proc.stdout.strip().splitlines() or [proc.stderr[-1500:]])[-1])
 
 
+@phase
+def quant(args):
+    """Quantized 8B shapes: weight-only batch-1 decode against bf16, FP8 throughput at 128/128."""
+    from kiln.config import QuantConfig
+    for algo in ("W8A16", "W4A16_AWQ"):
+        build = bench.default_bench_build("latency", 128, 128, 1)
+        engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=QuantConfig(quant_algo=algo))
+        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
+            outputs, elapsed = [], 0.0
+            for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
+                out, seconds = bench.run_requests(llm, [prompt], 128)
+                if i:
+                    outputs += out
+            result = bench.summarize("latency", "llama-3.1-8b", algo, outputs, 1.0, 128, 128)
+            log(f"quant_{algo}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
+        del engine
+        torch.cuda.empty_cache()
+    build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
+                                 quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
+    with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
+        bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+        outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+        log("quant_FP8_throughput_128_128_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--phases", default="tests,latency,throughput")

@@ -41,11 +41,17 @@ def shape_config(name: str, dtype: str) -> PretrainedConfig:
     return PretrainedConfig(**SHAPES[name], dtype=dtype)
 
 
-def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True) -> Engine:
-    """An engine of a real model's shape with random weights, made on `device` in seconds."""
+def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True,
+                  quant_config=None) -> Engine:
+    """An engine of a real model's shape with random weights, made on `device` in seconds (quantized first when
+    `quant_config` asks; modes that need calibration run it on random tokens)."""
     from kiln.models import LlamaForCausalLM
 
-    return build(LlamaForCausalLM.random(shape_config(name, dtype), device=device), build_config, quiet=quiet)
+    model = LlamaForCausalLM.random(shape_config(name, dtype), device=device)
+    if quant_config is not None and quant_config.enabled:
+        from kiln.quantization import quantize_model
+        model = quantize_model(model, quant_config, calib_size=4, quiet=quiet)
+    return build(model, build_config, quiet=quiet)
 
 
 @dataclass

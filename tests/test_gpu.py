@@ -163,3 +163,41 @@ def test_cuda_graph_steps_equal_eager_steps():
         llm.core.runner.graphs = None
         eager = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=20, end_id=-1))]
     assert graphed == eager
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL_PER_TOKEN",
+                                  "FP8_PER_CHANNEL_PER_TOKEN"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_quantized_matmul_kernels(algo, rows):
+    from kiln.kernels import quant
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn((1536, 576), generator=g, device=CUDA)
+    x = torch.randn((rows, 576), generator=g, device=CUDA).bfloat16()
+    if algo == "W8A16" or algo.startswith("W8A8"):
+        q, s = quant.quantize_int8(w)
+        params = {"weight": q, "weight_scale": s}
+    elif algo.startswith("W4A16"):
+        packed, s, z = quant.quantize_int4(w, None if algo == "W4A16" else 128, algo == "W4A16_AWQ")
+        params = {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
+    else:
+        q, s = quant.quantize_fp8(w)
+        params = {"weight": q, "weight_scale": s}
+    out = tk.quant_linear(x, algo, params, None)
+    ref = quant.quant_linear(x.float(), algo, params, None)
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("kv", ["INT8", "FP8"])
+def test_quantized_kv_cache_kernels(kv):
+    from kiln.kernels import triton_kernels as tk
+
+    dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
+    q, cache, meta = _paged_case([(300, 1), (0, 40), (33, 7)], 32, 8, 128, 32, torch.bfloat16, seed=5)
+    cache = cache.float().clamp(-100, 100).to(dtype) if kv == "INT8" else cache.float().to(dtype)
+    kv_scale = torch.tensor([0.02, 0.03], device=CUDA)
+    ref = reference.paged_attention(q.float(), cache, meta, 128 ** -0.5, None, kv_scale)
+    out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                             128 ** -0.5, None, kv_scale=kv_scale)
+    assert rel_err(out, ref) < 2e-2

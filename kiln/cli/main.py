@@ -77,6 +77,8 @@ def _bench_parser(sub) -> None:
     src.add_argument("--model", help="random weights of a named shape: llama-3.1-8b, llama-3.1-70b, mixtral-8x7b, "
                                      "smollm2-135m (built on the device in seconds)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
+    p.add_argument("--quant_algo", help="with --model: quantize the random weights (W8A16, W4A16_AWQ, FP8, ...)")
+    p.add_argument("--kv_cache_quant_algo", help="with --model: INT8 or FP8 KV cache")
     p.add_argument("--num_requests", type=int, default=512, help="throughput: requests (latency: iterations)")
     p.add_argument("--input_len", type=int, default=128)
     p.add_argument("--output_len", type=int, default=128)
@@ -281,8 +283,11 @@ def cmd_bench(args) -> None:
         engine = Engine.from_dir(args.engine_dir, device=device)
         name, dtype = args.engine_dir, engine.pretrained_config.dtype
     else:
+        from kiln.config import QuantConfig
+
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
-        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device))
+        quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo)
+        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config)
         name, dtype = args.model, args.dtype
     hw = bench.Hardware.measure(device, getattr(torch, dtype))
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json) as llm:
