@@ -17,6 +17,8 @@ import torch
 from kiln.config import QuantConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant
 from kiln.models.base import PretrainedModel
+
+from .gptq import gptq_int4
 from kiln.utils.steps import progress
 
 CALIBRATION_SEQ_LEN = 256
@@ -41,20 +43,26 @@ def calibration_tokens(model: PretrainedModel, calib_size: int, seq_len: int = C
 class CalibrationStats:
     inputs: dict[str, torch.Tensor]      # engine module name → (in_features,) largest |input| per channel
     kv: list[tuple[float, float]]        # per layer: largest |key|, largest |value|
+    hessians: dict[str, torch.Tensor]    # engine module name → (in, in) Σ xᵀx of its inputs (GPTQ only)
 
 
 @torch.inference_mode()
-def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = False) -> CalibrationStats:
+def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = False,
+              hessians: bool = False) -> CalibrationStats:
     float_config = dataclasses.replace(model.config, quantization=QuantConfig())
     device = next(iter(model.weights.values())).device
     max_len = max(len(s) for s in sequences)
     net = model.network_class.load(float_config, model.engine_weights(), max_len, device, ops=ReferenceOps())
     inputs: dict[str, torch.Tensor] = {}
+    sums: dict[str, torch.Tensor] = {}
 
     def record(name):
         def hook(_module, args):
-            x = args[0].detach().float().abs().amax(dim=0)
-            inputs[name] = torch.maximum(inputs[name], x) if name in inputs else x
+            x = args[0].detach().float()
+            peak = x.abs().amax(dim=0)
+            inputs[name] = torch.maximum(inputs[name], peak) if name in inputs else peak
+            if hessians:
+                sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
         return hook
 
     for name, module in net.named_modules():
@@ -74,7 +82,7 @@ def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = 
               for (k, v), cache in zip(kv, caches)]
         for cache in caches:
             cache.zero_()
-    return CalibrationStats(inputs, kv)
+    return CalibrationStats(inputs, kv, sums)
 
 
 # (fused engine module, its checkpoint parts, the norm before it that can absorb SmoothQuant factors)
@@ -98,7 +106,10 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
     if model.config.quantization.enabled:
         raise ValueError("the model is already quantized")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
-    stats = calibrate(model, calibration_tokens(model, calib_size), quiet) if quant_config.needs_calibration else None
+    gptq = quant_config.quant_algo == "W4A16_GPTQ"
+    stats = None
+    if quant_config.needs_calibration or gptq:
+        stats = calibrate(model, calibration_tokens(model, calib_size), quiet, hessians=gptq)
     weights = dict(model.weights)
     algo = quant_config.quant_algo
     for fused, parts, norm in _linear_groups(config):
@@ -131,21 +142,26 @@ def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, p
             x_max = x_max / smoother
         limit = INT8_MAX if algo.startswith("W8A8") else FP8_MAX
         input_scale = torch.tensor([max(float(x_max.max()), 1e-6) / limit])
+    hessian = stats.hessians.get(fused) if stats is not None and stats.hessians else None
     for part, mat in zip(parts, mats):
-        weights.update(_quantize_matrix(part, mat, algo, quant_config))
+        weights.update(_quantize_matrix(part, mat, algo, quant_config, hessian))
         if input_scale is not None:                        # one tensor per part: safetensors refuses shared memory
             weights[part + ".input_scale"] = input_scale.clone()
         if smoother is not None and norm is None:          # not absorbed: divided at run time
             weights[part + ".smoother"] = smoother.clone()
 
 
-def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
+def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig,
+                     hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     if algo == "W8A16" or algo.startswith("W8A8"):
         q, scale = quant.quantize_int8(w)
         return {base + ".weight": q, base + ".weight_scale": scale}
     if algo.startswith("W4A16"):
         group = quant_config.group_size if algo in ("W4A16_GPTQ", "W4A16_AWQ") else None
-        packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
+        if hessian is not None:
+            packed, scale, zero = gptq_int4(w, hessian.to(w.device), group, quant_config.has_zero_point)
+        else:
+            packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
         out = {base + ".weight": packed, base + ".weight_scale": scale}
         if zero is not None:
             out[base + ".weight_zero"] = zero
