@@ -258,6 +258,8 @@ def quant(args):
             log(f"quant_{algo}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
         del engine
         torch.cuda.empty_cache()
+    if args.quick:
+        return
     build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))

@@ -318,8 +318,8 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     from . import quant
 
     if algo == "W8A16" or algo.startswith("W4A16"):
-        out = weight_only_matmul(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
-                                 8 if algo == "W8A16" else 4)
+        product = weight_only_gemv if x.shape[0] <= GEMV_MAX_ROWS else weight_only_matmul
+        out = product(x, params["weight"], params["weight_scale"], params.get("weight_zero"), 8 if algo == "W8A16" else 4)
     elif algo.startswith("FP8"):
         xs = x.float() / params["smoother"] if "smoother" in params else x
         qx, sx = quant.quantize_activations_fp8(xs, params.get("input_scale"))
@@ -338,3 +338,76 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     else:
         return quant.quant_linear(x, algo, params, bias)
     return out if bias is None else out + bias
+
+
+def _tiles_within_a_group(configs, named_args, **kwargs):
+    """A tile of K may not straddle two quantization groups."""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    return [c for c in configs if c.kwargs["BLOCK_K"] <= group] or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+                          for bn, bk, w in ((16, 256, 4), (32, 128, 4), (64, 128, 8), (16, 128, 2), (8, 256, 2),
+                                            (16, 64, 2), (32, 32, 2))],
+                 key=["N", "K", "M_PAD", "BITS", "GROUP"], prune_configs_by={"early_config_prune": _tiles_within_a_group})
+@triton.jit
+def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, GROUPS,
+                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A few rows of x against int8 or packed int4 weights: each program streams BLOCK_N weight rows once,
+    summing per group and scaling once per group (int4 takes even and odd columns from the two nibbles)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP
+        s = tl.load(scale_ptr + n * GROUPS + g, mask=n_ok, other=0.0)
+        if BITS == 8:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(w_ptr + n[:, None].to(tl.int64) * K + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K),
+                        other=0).to(tl.float32)
+            for m in tl.static_range(M_PAD):
+                x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+                part = tl.sum(q * x[None, :], axis=1) * s
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        else:
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_ptr + n[:, None].to(tl.int64) * (K // 2) + half[None, :],
+                             mask=n_ok[:, None] & (half[None, :] < K // 2), other=0)
+            low = (packed & 0xF).to(tl.float32)
+            high = (packed >> 4).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + n * GROUPS + g, mask=n_ok, other=0.0)
+            else:
+                z = tl.full([BLOCK_N], 8.0, tl.float32)
+            for m in tl.static_range(M_PAD):
+                xe = tl.load(x_ptr + m * K + 2 * half, mask=2 * half < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + m * K + 2 * half + 1, mask=2 * half + 1 < K, other=0.0).to(tl.float32)
+                dot = tl.sum(low * xe[None, :] + high * xo[None, :], axis=1)
+                part = s * (dot - z * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0)))
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+GEMV_MAX_ROWS = 4
+
+
+def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     bits: int) -> torch.Tensor:
+    """The weight-only product for at most GEMV_MAX_ROWS rows (decoding), reading each weight byte once."""
+    from .quant import int4_group_size
+
+    m, k = x.shape
+    n = weight.shape[0]
+    scale2d = scale.reshape(n, -1)
+    groups = scale2d.shape[1]
+    group = int4_group_size(k, groups)
+    m_pad = triton.next_power_of_2(m)
+    if m_pad != m:
+        x = torch.cat([x, x.new_zeros(m_pad - m, k)])
+    out = torch.empty((m_pad, n), dtype=x.dtype, device=x.device)
+    _weight_only_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, n, k, groups, BITS=bits,
+        HAS_ZERO=zero is not None, GROUP=group, M_PAD=m_pad)
+    return out[:m]
