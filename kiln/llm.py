@@ -9,9 +9,10 @@ from typing import Sequence, Union
 
 import torch
 
-from kiln.builder import Engine, build, is_engine_dir
+from kiln.builder import Engine, build, build_all_ranks, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import BuildConfig, KvCacheConfig, PretrainedConfig, SchedulerPolicy
+from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
+from kiln.distributed.auto import choose_parallelism
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import GenerationExecutor, GenerationResult
@@ -31,12 +32,13 @@ def default_build_config(config: PretrainedConfig) -> BuildConfig:
 
 
 def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
-                device: torch.device | str = "cpu") -> Engine:
-    """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file."""
+                device: torch.device | str = "cpu", parallel_config: ParallelConfig | None = None) -> Engine:
+    """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file;
+    with a parallel_config of several ranks, models and checkpoints are sharded and every rank built."""
     if isinstance(model, Engine):
         return model
     if isinstance(model, PretrainedModel):
-        return build(model, build_config or default_build_config(model.config), quiet)
+        return _build(model, build_config, parallel_config, quiet)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -45,13 +47,33 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
             raise ValueError(f"{path} is a built engine: build_config and dtype cannot change it; rebuild instead")
         return Engine.from_dir(path, device=device)
     if path.is_dir() and is_checkpoint_dir(path):
+        config = load_checkpoint_config(path)
         if dtype != "auto":
-            raise ValueError(f"{path} is a Kiln checkpoint in {load_checkpoint_config(path).dtype}; "
-                             "dtype is chosen at conversion")
-        loaded = model_class(load_checkpoint_config(path).architecture).from_checkpoint(path)
+            raise ValueError(f"{path} is a Kiln checkpoint in {config.dtype}; dtype is chosen at conversion")
+        if config.mapping.world_size > 1:
+            if parallel_config is not None:
+                raise ValueError(f"{path} is already sharded ({config.mapping.world_size} ranks): leave parallel_config out")
+            cls = model_class(config.architecture)
+            return build_all_ranks(lambda rank: cls.from_checkpoint(path, rank), config.mapping.world_size,
+                                   build_config or default_build_config(config), quiet)
+        loaded = model_class(config.architecture).from_checkpoint(path)
     else:
         loaded = model_class(read_source_config(path, dtype).architecture).from_hugging_face(path, dtype, quiet=quiet)
-    return build(loaded, build_config or default_build_config(loaded.config), quiet)
+    return _build(loaded, build_config, parallel_config, quiet)
+
+
+def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: ParallelConfig | None, quiet: bool):
+    build_config = build_config or default_build_config(model.config)
+    if parallel is None or (parallel.tp_size * parallel.pp_size == 1 and not parallel.auto_parallel):
+        return build(model, build_config, quiet)
+    tp, pp = parallel.tp_size, parallel.pp_size
+    if parallel.auto_parallel:
+        limit = parallel.max_memory_mb * 2**20 if parallel.max_memory_mb else None
+        tp, pp, why = choose_parallelism(model.config, parallel.world_size, limit)
+        if not quiet:
+            print(f"auto_parallel: {why}", file=sys.stderr)
+    mapping = Mapping(tp * pp, 0, tp, pp)
+    return build_all_ranks(lambda rank: model.shard(mapping.for_rank(rank)), mapping.world_size, build_config, quiet)
 
 
 class LLM:
@@ -69,7 +91,8 @@ class LLM:
                  normalize_log_probs: bool = False, enable_chunked_context: bool = False,
                  decoding_mode: DecodingMode | None = None,
                  scheduling_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
-                 device: str | torch.device | None = None, quiet: bool = False):
+                 device: str | torch.device | None = None, quiet: bool = False,
+                 parallel_config: ParallelConfig | None = None):
         """
         Args:
             model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
@@ -81,11 +104,14 @@ class LLM:
             enable_chunked_context: split prompts longer than the step's token budget over several steps.
             decoding_mode: restrict the decoding algorithms requests may use (None: any).
             scheduling_policy: GUARANTEED_NO_EVICT or MAX_UTILIZATION.
+            parallel_config: tensor/pipeline parallelism for a model or unsharded checkpoint (an engine carries its
+                own); every rank beyond 0 runs in a worker process started here.
         """
         if enable_trt_overlap:
             raise ValueError("enable_trt_overlap=True is not supported by Kiln yet (it needs the GPU fast path)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.engine = load_engine(model, dtype, build_config, quiet, self.device)
+        self._workers = self._parallel = self._tmp_engine = None
+        self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
             raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="
@@ -93,12 +119,34 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.engine.tokenizer_files)
         self.eos_ids = eos_token_ids(self.tokenizer, self.engine.tokenizer_files)
         self.decoding_mode = decoding_mode or DecodingMode.none
+        if self.engine.pretrained_config.mapping.world_size > 1:
+            self._start_workers(model, kv_cache_config or KvCacheConfig(), (parallel_config or ParallelConfig()).timeout_s)
         self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
-                               normalize_log_probs)
+                               normalize_log_probs, parallel=self._parallel)
         if not quiet:
             print(self.core.memory_line, file=sys.stderr)
-        self._executor = GenerationExecutor(self.core, copy.deepcopy(self.tokenizer))
+        failure = self._workers.failure if self._workers is not None else None
+        self._executor = GenerationExecutor(self.core, copy.deepcopy(self.tokenizer), failure)
         self._next_request_id = 0
+
+    def _start_workers(self, model, kv_cache_config: KvCacheConfig, timeout_s: float) -> None:
+        """Ranks 1..N-1 in worker processes reading the engine from disk; rank 0 (this process) keeps rank 0."""
+        import dataclasses
+        import tempfile
+
+        from kiln.distributed import Workers, init_process_group
+
+        mapping = self.engine.pretrained_config.mapping
+        if isinstance(model, (str, Path)) and is_engine_dir(Path(model)):
+            engine_dir = Path(model)
+        else:
+            self._tmp_engine = tempfile.TemporaryDirectory(prefix="kiln-engine-")
+            engine_dir = Path(self._tmp_engine.name) / "engine"
+            self.engine.save(engine_dir)
+        self.engine.weights = {0: self.engine.weights[0]}
+        self._workers = Workers(str(engine_dir), mapping.world_size, self.device.type,
+                                dataclasses.asdict(kv_cache_config), timeout_s)
+        self._parallel = init_process_group(mapping.for_rank(0), self.device, self._workers.init_method, timeout_s)
 
     @property
     def build_config(self) -> BuildConfig:
@@ -222,10 +270,22 @@ class LLM:
             raise ValueError("decoding_mode=top_p does not accept top_k")
 
     def shutdown(self) -> None:
-        """Stop the engine loop; unfinished requests fail with a clear error."""
+        """Stop the engine loop (and the worker ranks); unfinished requests fail with a clear error."""
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown()
+        workers, parallel = getattr(self, "_workers", None), getattr(self, "_parallel", None)
+        if workers is not None:
+            self._workers = self._parallel = None
+            if parallel is not None and workers.failure() is None:
+                try:
+                    parallel.broadcast_step(None)
+                except Exception:  # noqa: BLE001 - a rank already gone: stop() below ends the rest
+                    pass
+            workers.stop()
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def __enter__(self):
         return self

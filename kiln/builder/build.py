@@ -53,3 +53,15 @@ def describe_network(network, verbosity: str) -> str:
         lines += [f"{name}\t{tuple(p.shape)}\t{str(p.dtype).removeprefix('torch.')}"
                   for name, p in network.named_parameters()]
     return "\n".join(lines) + "\n"
+
+
+def build_all_ranks(load_rank, world_size: int, build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
+    """One engine holding every rank: `load_rank(rank)` gives each rank's model (e.g. from_checkpoint(dir, rank))."""
+    engine = None
+    for rank in range(world_size):
+        part = build(load_rank(rank), build_config, quiet=quiet or rank > 0)
+        if engine is None:
+            engine = part
+        else:
+            engine.weights.update(part.weights)
+    return engine

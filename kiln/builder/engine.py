@@ -1,6 +1,7 @@
 """Engines on disk: config.json (version, configs, hash) + rank{N}.safetensors (runtime layout) + tokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ KERNEL_CACHE = "triton_cache"
 
 
 def engine_hash(pretrained_config: PretrainedConfig, build_config: BuildConfig, version: str = __version__) -> str:
-    """sha256 over the Kiln version and every config field that shapes the engine."""
+    """sha256 over the Kiln version and every config field that shapes the engine (the same for every rank)."""
+    pretrained_config = dataclasses.replace(pretrained_config, mapping=pretrained_config.mapping.for_rank(0))
     payload = {"version": version, "pretrained_config": pretrained_config.to_dict(),
                "build_config": build_config.engine_fields()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -40,8 +42,8 @@ class Engine:
         return engine_hash(self.pretrained_config, self.build_config)
 
     def manifest(self) -> dict:
-        return {"kiln_format": ENGINE_FORMAT, "version": __version__,
-                "pretrained_config": self.pretrained_config.to_dict(),
+        config = dataclasses.replace(self.pretrained_config, mapping=self.pretrained_config.mapping.for_rank(0))
+        return {"kiln_format": ENGINE_FORMAT, "version": __version__, "pretrained_config": config.to_dict(),
                 "build_config": self.build_config.to_dict(), "hash": self.hash}
 
     def save(self, engine_dir: str | Path) -> Path | None:
@@ -74,6 +76,9 @@ class Engine:
         if engine_hash(pretrained, build) != manifest.get("hash"):
             raise ValueError(f"{engine_dir}/config.json does not match the engine it describes (hash mismatch: "
                              "the file was edited after the build); rebuild the engine")
+        if not 0 <= rank < pretrained.mapping.world_size:
+            raise ValueError(f"{engine_dir} has ranks 0..{pretrained.mapping.world_size - 1}; rank {rank} asked")
+        pretrained = dataclasses.replace(pretrained, mapping=pretrained.mapping.for_rank(rank))
         weights = _load_rank(engine_dir / f"rank{rank}.safetensors", manifest["hash"], device)
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}

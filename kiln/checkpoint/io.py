@@ -1,6 +1,7 @@
 """Kiln checkpoints on disk: config.json + rank{N}.safetensors + tokenizer files, written atomically."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,29 +20,41 @@ def is_checkpoint_dir(path: Path) -> bool:
     return config.is_file() and read_json_object(config, "checkpoint config").get("kiln_format") == CHECKPOINT_FORMAT
 
 
-def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights: dict[int, dict[str, torch.Tensor]],
-                    tokenizer_files: dict[str, bytes], config_only: bool = False) -> Path:
-    """Write a checkpoint; `rank_weights` maps each rank to its tensors. Nothing is left behind on failure."""
+def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights: dict, tokenizer_files: dict[str, bytes],
+                    config_only: bool = False, workers: int = 1) -> Path:
+    """Write a checkpoint; `rank_weights` maps each rank to its tensors (or to a function making them, so that
+    ranks are produced one at a time, `workers` in parallel). Nothing is left behind on failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from safetensors.torch import save_file
 
+    def write(item):
+        rank, weights = item
+        weights = weights() if callable(weights) else weights
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
+                  metadata={"format": "pt"})
+
     with atomic_dir(out_dir) as tmp:
+        config = dataclasses.replace(config, mapping=config.mapping.for_rank(0))
         meta = {"kiln_format": CHECKPOINT_FORMAT, "kiln_version": __version__, **config.to_dict()}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         if not config_only:
-            for rank, weights in rank_weights.items():
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
-                          metadata={"format": "pt"})
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                list(pool.map(write, rank_weights.items()))
         write_tokenizer_files(tokenizer_files, tmp)
     return Path(out_dir)
 
 
-def load_checkpoint_config(ckpt_dir: str | Path) -> PretrainedConfig:
+def load_checkpoint_config(ckpt_dir: str | Path, rank: int = 0) -> PretrainedConfig:
     ckpt_dir = require_dir(ckpt_dir, "checkpoint directory")
     data = read_json_object(ckpt_dir / "config.json", "checkpoint config")
     if data.pop("kiln_format", None) != CHECKPOINT_FORMAT:
         raise ValueError(f"{ckpt_dir}: not a Kiln checkpoint (config.json has no kiln_format={CHECKPOINT_FORMAT!r})")
     data.pop("kiln_version", None)
-    return PretrainedConfig.from_dict(data)
+    config = PretrainedConfig.from_dict(data)
+    if not 0 <= rank < config.mapping.world_size:
+        raise ValueError(f"{ckpt_dir} has ranks 0..{config.mapping.world_size - 1}; rank {rank} asked")
+    return dataclasses.replace(config, mapping=config.mapping.for_rank(rank))
 
 
 def load_checkpoint(ckpt_dir: str | Path, rank: int = 0) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, bytes]]:
@@ -49,7 +62,7 @@ def load_checkpoint(ckpt_dir: str | Path, rank: int = 0) -> tuple[PretrainedConf
     from kiln.checkpoint.hf import iter_file_tensors
     from kiln.checkpoint.layout import check_weights
 
-    config = load_checkpoint_config(ckpt_dir)
+    config = load_checkpoint_config(ckpt_dir, rank)
     path = Path(ckpt_dir) / f"rank{rank}.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt_dir}: no weights file {path.name} (a config-only checkpoint?)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from kiln.config import PretrainedConfig
 
+from .sharding import local_dims
+
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 
@@ -44,14 +46,29 @@ def linear_shapes(base: str, out_features: int, in_features: int, bias: bool,
     return shapes
 
 
+def embedding_shape(config: PretrainedConfig) -> tuple[int, int]:
+    """This rank's slice of the embedding table (kiln.checkpoint.sharding)."""
+    tp, dims = config.mapping.tp_size, local_dims(config)
+    if not config.use_parallel_embedding or tp == 1:
+        return config.vocab_size, config.hidden_size
+    if config.embedding_sharding_dim == 0:
+        return dims.vocab_padded // tp, config.hidden_size
+    return config.vocab_size, config.hidden_size // tp
+
+
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `config` holds, with its shape."""
-    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes.update(linear_shapes("lm_head", config.vocab_size, h, False, config))
-    for i in range(config.num_hidden_layers):
+    """Every tensor a checkpoint of `config` holds (this rank's share of it), with its shape."""
+    dims, tp = local_dims(config), config.mapping.tp_size
+    h, hd, inter = config.hidden_size, config.head_dim, dims.intermediate
+    q_out, kv_out = dims.heads * hd, dims.kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {}
+    if dims.first_stage or (config.tie_word_embeddings and dims.last_stage):
+        shapes["embed_tokens.weight"] = embedding_shape(config)
+    if dims.last_stage:
+        shapes["norm.weight"] = (h,)
+        if not config.tie_word_embeddings:
+            shapes.update(linear_shapes("lm_head", dims.vocab_padded // tp, h, False, config))
+    for i in dims.layers:
         p = f"layers.{i}."
         shapes[p + "input_norm.weight"] = (h,)
         shapes[p + "post_attn_norm.weight"] = (h,)
@@ -61,8 +78,8 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
         if config.quantization.kv_cache_quant_algo:
             shapes[p + "attn.kv_scale"] = (2,)
         if config.is_moe:
-            e = config.moe_num_experts
-            shapes[p + "moe.router.weight"] = (e, h)
+            e = len(dims.experts)
+            shapes[p + "moe.router.weight"] = (config.moe_num_experts, h)
             shapes[p + "moe.gate_proj"] = (e, inter, h)
             shapes[p + "moe.up_proj"] = (e, inter, h)
             shapes[p + "moe.down_proj"] = (e, h, inter)

@@ -3,10 +3,11 @@ from .build import AutoParallelConfig, BuildConfig, LoraConfig, PluginConfig
 from .convert import ConvertConfig
 from .fields import field_docs
 from .mapping import Mapping
+from .parallel import ParallelConfig
 from .pretrained import PretrainedConfig
 from .quant import QuantConfig
 from .runtime import KvCacheConfig, SchedulerPolicy
 from .yaml_file import BuildFile, ModelSection, load_build_file
 
 __all__ = ["AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig", "LoraConfig", "Mapping",
-           "ModelSection", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "field_docs", "load_build_file"]
+           "ModelSection", "ParallelConfig", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "field_docs", "load_build_file"]

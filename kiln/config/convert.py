@@ -55,7 +55,7 @@ class ConvertConfig:
     moe_renorm_mode: int | None = None
     """1: renormalise the top-k routing weights."""
     moe_tp_mode: int = 0
-    """How MoE experts are split across tensor-parallel ranks."""
+    """MoE experts across tensor-parallel ranks: 0 expert parallel (experts divided), 1 tensor parallel."""
     meta_ckpt_dir: str | None = None
     """A Meta (consolidated.*.pth) checkpoint directory."""
     use_weight_only: bool = False
@@ -99,18 +99,17 @@ class ConvertConfig:
     embedding_sharding_dim: int = 0
     """Dimension the embedding is split along (0: vocab, 1: hidden)."""
     use_embedding_sharing: bool = False
-    """Share the embedding and LM head weights across ranks."""
+    """Share one table between the embedding and the LM head: Kiln does so for models with tied embeddings
+    (set for any other model it is an error)."""
     workers: int = 1
-    """Ranks converted in parallel."""
+    """Ranks sharded and written in parallel (threads)."""
     save_config_only: bool = False
     """Write only config.json, no weights."""
 
     def __post_init__(self):
         require_positive("ConvertConfig", tp_size=self.tp_size, pp_size=self.pp_size, workers=self.workers,
                          group_size=self.group_size)
-        reject_unsupported(self, ["tp_size", "pp_size", "use_parallel_embedding", "embedding_sharding_dim",
-                                  "use_embedding_sharing", "workers", "moe_tp_mode", "load_by_shard"],
-                           "multi-GPU sharding is not implemented yet")
+        reject_unsupported(self, ["load_by_shard"], "Kiln reads the whole model before sharding it")
         reject_unsupported(self, ["ammo_quant_ckpt_path", "dataset_cache_dir"],
                            "Kiln calibrates on its own text; import quantized models as AWQ/GPTQ HF checkpoints")
         reject_unsupported(self, ["disable_weight_only_quant_plugin"], "Kiln has one weight-only kernel path")
@@ -142,6 +141,11 @@ class ConvertConfig:
                            exclude_modules=[] if self.quantize_lm_head else ["lm_head"])
         reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
         reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
+
+    def parallel_fields(self) -> dict:
+        """The PretrainedConfig fields these flags set for a sharded checkpoint."""
+        return dict(use_parallel_embedding=self.use_parallel_embedding, embedding_sharding_dim=self.embedding_sharding_dim,
+                    moe_tp_mode=self.moe_tp_mode)
 
     def check_against(self, config: PretrainedConfig, source: str) -> None:
         """Every shape field given here must agree with the model's own config."""

@@ -69,6 +69,13 @@ class PretrainedConfig:
     """1: the top-k routing weights are renormalised to sum to one (Mixtral); 0: plain softmax weights."""
     mapping: Mapping = field(default_factory=Mapping)
     """Tensor/pipeline parallel layout this checkpoint is sharded for."""
+    use_parallel_embedding: bool = False
+    """Split the embedding table across tensor-parallel ranks (otherwise every rank holds it whole)."""
+    embedding_sharding_dim: int = 0
+    """With use_parallel_embedding: split by vocabulary rows (0) or by hidden columns (1)."""
+    moe_tp_mode: int = 0
+    """Tensor parallelism of MoE experts: 0 divides the experts among ranks (expert parallel), 1 splits every
+    expert's intermediate size (tensor parallel)."""
     quantization: QuantConfig = field(default_factory=QuantConfig)
     """Quantization applied to the weights and KV cache."""
 
@@ -102,6 +109,8 @@ class PretrainedConfig:
         require(self.head_dim % 2 == 0, f"{owner}.head_dim={self.head_dim} must be even for rotary embedding")
         require_choice(owner, "hidden_act", self.hidden_act, ("silu",))
         require_choice(owner, "moe_renorm_mode", self.moe_renorm_mode, (0, 1))
+        require_choice(owner, "embedding_sharding_dim", self.embedding_sharding_dim, (0, 1))
+        require_choice(owner, "moe_tp_mode", self.moe_tp_mode, (0, 1))
         if self.moe_num_experts:
             require(0 < self.moe_top_k <= self.moe_num_experts,
                     f"{owner}.moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")

@@ -107,8 +107,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-        renormalize: bool) -> torch.Tensor:
-    """Mixture of experts: route each token (T, H) to top_k experts of gate_up (E, 2I, H), down (E, H, I)."""
+        renormalize: bool, first_expert: int = 0) -> torch.Tensor:
+    """Mixture of experts: route each token (T, H) to top_k experts of gate_up (E, 2I, H), down (E, H, I).
+    The router scores all experts; this call computes only experts first_expert .. first_expert + E - 1 (the
+    rest live on other ranks and their contributions arrive through an all-reduce)."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)                  # (T, E)
     weights, experts = torch.topk(probs, top_k, dim=-1)                         # (T, k)
     if renormalize:
@@ -116,7 +118,10 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
+        local = e - first_expert
+        if not 0 <= local < gate_up.shape[0]:
+            continue
         token, slot = (experts == e).nonzero(as_tuple=True)
-        h = silu_and_mul(F.linear(x[token], gate_up[e]))
-        out.index_add_(0, token, F.linear(h, down[e]) * weights[token, slot, None])
+        h = silu_and_mul(F.linear(x[token], gate_up[local]))
+        out.index_add_(0, token, F.linear(h, down[local]) * weights[token, slot, None])
     return out

@@ -94,7 +94,23 @@ class PretrainedModel:
                 weights[name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
         return cls(config, weights, source="random weights")
 
-    def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False) -> Path:
-        """Write config.json + rank{N}.safetensors (+ tokenizer files); atomic."""
-        return save_checkpoint(out_dir, self.config, {self.config.mapping.rank: self.weights},
-                               self.tokenizer_files, config_only=save_config_only)
+    def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False, mapping: Mapping | None = None,
+                        workers: int = 1) -> Path:
+        """Write config.json + rank{N}.safetensors (+ tokenizer files); atomic. With a `mapping` of several ranks
+        the (unsharded) model is sharded and every rank written, `workers` ranks at a time."""
+        if mapping is None or mapping.world_size == 1:
+            return save_checkpoint(out_dir, self.config, {self.config.mapping.rank: self.weights},
+                                   self.tokenizer_files, config_only=save_config_only)
+        config = self.shard(mapping.for_rank(0)).config
+        ranks = {r: (lambda r=r: self.shard(mapping.for_rank(r)).weights) for r in range(mapping.world_size)}
+        return save_checkpoint(out_dir, config, ranks, self.tokenizer_files, config_only=save_config_only,
+                               workers=workers)
+
+    def shard(self, mapping: Mapping):
+        """This rank's share of an unsharded model (kiln.checkpoint.sharding)."""
+        from kiln.checkpoint.sharding import shard_weights
+
+        if self.config.mapping.world_size > 1:
+            raise ValueError("the model is already sharded; load the unsharded model to shard it differently")
+        config, weights = shard_weights(self.config, self.weights, mapping)
+        return type(self)(config, weights, self.tokenizer_files, source=f"rank {mapping.rank} of a sharded model")

@@ -12,7 +12,9 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps, reference, rope_cos_sin, select_ops
 
-from kiln.checkpoint.layout import linear_shapes
+from kiln.checkpoint.layout import embedding_shape, linear_shapes
+from kiln.checkpoint.sharding import local_dims
+from kiln.distributed.comm import Comm
 
 from .base import PretrainedModel
 
@@ -78,11 +80,15 @@ def make_linear(name: str, in_features: int, out_features: int, bias: bool, conf
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's query and KV heads; the output projection's partial sums are all-reduced."""
+
     ops = ReferenceOps
+    comm = Comm()
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        dims = local_dims(config)
+        self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, config.head_dim
         self.qkv_proj = make_linear("attn.qkv_proj", config.hidden_size,
                                     (self.heads + 2 * self.kv_heads) * self.head_dim, config.attention_bias, config)
         self.o_proj = make_linear("attn.o_proj", self.heads * self.head_dim, config.hidden_size, config.dense_bias, config)
@@ -96,36 +102,42 @@ class Attention(nn.Module):
         q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads, self.kv_heads,
                                     self.head_dim, self.kv_scale)                  # (T, H, D); k, v cached
         out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window, self.kv_scale)  # (T, H, D)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return self.comm.all_reduce(self.o_proj(out.reshape(t, self.heads * self.head_dim)))
 
 
 class GatedMLP(nn.Module):
     ops = ReferenceOps
+    comm = Comm()
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.gate_up_proj = make_linear("mlp.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
-                                        config.mlp_bias, config)
-        self.down_proj = make_linear("mlp.down_proj", config.intermediate_size, config.hidden_size, config.mlp_bias,
-                                     config)
+        inter = local_dims(config).intermediate
+        self.gate_up_proj = make_linear("mlp.gate_up_proj", config.hidden_size, 2 * inter, config.mlp_bias, config)
+        self.down_proj = make_linear("mlp.down_proj", inter, config.hidden_size, config.mlp_bias, config)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.comm.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class MoE(nn.Module):
+    """Mixture of experts over this rank's experts (or slices of every expert); partial sums are all-reduced."""
+
     ops = ReferenceOps
+    comm = Comm()
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        e, h, i = config.moe_num_experts, config.hidden_size, config.intermediate_size
-        self.router = nn.Linear(h, e, bias=False)
+        dims = local_dims(config)
+        e, h, i = len(dims.experts), config.hidden_size, dims.intermediate
+        self.router = nn.Linear(h, config.moe_num_experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.first_expert = dims.experts.start
         self.top_k, self.renormalize = config.moe_top_k, config.moe_renorm_mode == 1
 
     def forward(self, x):
-        return self.ops.moe(x, self.router.weight, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+        return self.comm.all_reduce(self.ops.moe(x, self.router.weight, self.gate_up_proj, self.down_proj, self.top_k,
+                                                 self.renormalize, self.first_expert))
 
 
 class DecoderLayer(nn.Module):
@@ -147,22 +159,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The runtime network: packed token ids → hidden states → logits."""
+    """The runtime network of one rank: packed token ids (or the previous pipeline stage's hidden states) →
+    this stage's layers → hidden states, or logits on the last stage."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_epsilon)
-        self.lm_head = None if config.tie_word_embeddings else make_linear("lm_head", config.hidden_size,
-                                                                           config.vocab_size, False, config)
+        self.config, self.dims = config, local_dims(config)
+        self.comm = Comm()
+        if self.dims.first_stage or (config.tie_word_embeddings and self.dims.last_stage):
+            self.embed_tokens = nn.Embedding(*embedding_shape(config))
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in self.dims.layers})
+        if self.dims.last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.norm_epsilon)
+            self.lm_head = None if config.tie_word_embeddings else make_linear(
+                "lm_head", config.hidden_size, self.dims.vocab_padded // config.mapping.tp_size, False, config)
         self.cos_sin: torch.Tensor | None = None  # (max_seq_len, head_dim), set by load()
 
     @classmethod
     def load(cls, config: PretrainedConfig, weights: dict[str, torch.Tensor], max_seq_len: int,
-             device: torch.device | str = "cpu", ops=None) -> "DecoderForCausalLM":
-        """Build on the meta device, adopt `weights` (engine layout) without copying them, pick the kernels."""
+             device: torch.device | str = "cpu", ops=None, comm: Comm | None = None) -> "DecoderForCausalLM":
+        """Build on the meta device, adopt `weights` (engine layout) without copying them, pick the kernels and
+        the tensor-parallel collectives."""
         with torch.device("meta"):
             net = cls(config)
         try:
@@ -172,24 +189,51 @@ class DecoderForCausalLM(nn.Module):
         net.cos_sin = rope_cos_sin(max_seq_len, config.head_dim, config.rotary_base, config.rope_scaling).to(device)
         if torch.device(device).type == "cpu":
             reference.use_cpu_weight_layout(net)
-        net.ops = ops or select_ops(device)
+        net.ops, net.comm = ops or select_ops(device), comm or Comm()
         for module in net.modules():
             if hasattr(type(module), "ops"):
                 module.ops = net.ops
+            if hasattr(type(module), "comm"):
+                module.comm = net.comm
         return net.eval()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (T, hidden); a table split across ranks is looked up piecewise and combined."""
+        config, comm = self.config, self.comm
+        if not config.use_parallel_embedding or comm.tp_size == 1:
+            return self.embed_tokens(input_ids)
+        if config.embedding_sharding_dim == 1:
+            return comm.all_gather(self.embed_tokens(input_ids), dim=-1)
+        rows = self.embed_tokens.weight.shape[0]
+        local = input_ids - comm.tp_rank * rows
+        inside = (local >= 0) & (local < rows)
+        x = self.embed_tokens(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed_tokens.weight.dtype)
+        return comm.all_reduce(x)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None                      # (T, hidden)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                kv_caches: list[torch.Tensor], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after this stage: normed on the last stage, else the residual stream to send on."""
+        x, residual = (self.embed(input_ids) if hidden is None else hidden), None     # (T, hidden)
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin)
+        if not self.dims.last_stage:
+            return x + residual
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) → (N, vocab) float32 logits."""
-        if self.lm_head is None:
+        """(N, hidden) → (N, vocab) float32 logits (vocabulary shards gathered from the tensor-parallel ranks)."""
+        config, comm = self.config, self.comm
+        if self.lm_head is not None:
+            local = self.lm_head(hidden)
+        elif not config.use_parallel_embedding or comm.tp_size == 1:
             return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        elif config.embedding_sharding_dim == 1:
+            cols = self.embed_tokens.weight.shape[1]
+            return comm.all_reduce(F.linear(hidden[:, comm.tp_rank * cols:(comm.tp_rank + 1) * cols],
+                                            self.embed_tokens.weight)).float()
+        else:
+            local = F.linear(hidden, self.embed_tokens.weight)
+        return comm.all_gather(local, dim=-1)[:, :config.vocab_size].float()
 
 
 _SHARED = ("input_scale", "smoother")   # per input channel/tensor: the same for every fused part

@@ -51,10 +51,13 @@ class EngineCore:
 
     def __init__(self, engine: Engine, device: torch.device, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
-                 enable_chunked_context: bool = False, normalize_log_probs: bool = False):
+                 enable_chunked_context: bool = False, normalize_log_probs: bool = False, parallel=None):
         build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
-        self.runner = ModelRunner(engine, device, normalize_log_probs)
+        self.runner = ModelRunner(engine, device, normalize_log_probs, parallel=parallel)
         num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device, self.runner.kv_bytes_per_token)
+        if parallel is not None:                         # every rank's pool has the same blocks: the smallest fits
+            num_blocks = parallel.min_over_ranks(num_blocks)
+            self.memory_line += f"; {num_blocks} blocks on each of {parallel.mapping.world_size} ranks"
         self.runner.allocate_kv(num_blocks)
         self.runner.capture_graphs()
         self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block, kv_config.enable_block_reuse)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import torch
 
@@ -124,8 +125,9 @@ class _RequestState:
 class GenerationExecutor:
     """Owns the EngineCore on a background thread; safe to call from any thread or event loop."""
 
-    def __init__(self, core: EngineCore, tokenizer):
-        self.core, self.tokenizer = core, tokenizer
+    def __init__(self, core: EngineCore, tokenizer, describe_failure=None):
+        """describe_failure() explains an engine-loop error (e.g. which worker rank died), or returns None."""
+        self.core, self.tokenizer, self.describe_failure = core, tokenizer, describe_failure
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._states: dict[int, _RequestState] = {}
         self._stopped = threading.Event()
@@ -163,7 +165,13 @@ class GenerationExecutor:
                         self._process(self._states[request.request_id])
             error = RuntimeError("the LLM was shut down before this request finished")
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
-            self._error = error = exc
+            error = exc
+            if self.describe_failure is not None:
+                time.sleep(0.5)                    # let a dying worker report its traceback
+                detail = self.describe_failure()
+                if detail:
+                    error = RuntimeError(f"{detail}\n(the engine loop stopped: {exc})")
+            self._error = error
         for state in self._states.values():
             state.result._publish(None, error)
         self._states.clear()

@@ -14,6 +14,8 @@ from kiln.models import model_class
 from . import sampler
 from .beam_search import beams_to_keep
 from .request import Request, Sequence
+from kiln.distributed import Step
+
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 
 PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program covers this many keys
@@ -30,12 +32,15 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, engine: Engine, device: torch.device, normalize_log_probs: bool = False, rank: int = 0):
+    def __init__(self, engine: Engine, device: torch.device, normalize_log_probs: bool = False, rank: int = 0,
+                 parallel=None):
         config, build = engine.pretrained_config, engine.build_config
         self.config, self.device, self.normalize_log_probs = config, device, normalize_log_probs
+        self.parallel = parallel                       # a kiln.distributed.ParallelContext when world_size > 1
         plugins = build.plugin_config
         self.net = model_class(config.architecture).network_class.load(
-            config, engine.weights[rank], build.max_seq_len, device, ops=select_ops(device, plugins.context_fmha))
+            config, engine.weights[rank], build.max_seq_len, device, ops=select_ops(device, plugins.context_fmha),
+            comm=parallel.comm if parallel is not None else None)
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
         self.multi_block_mode = plugins.multi_block_mode
@@ -60,18 +65,16 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv_dtype.itemsize
+        dims = self.net.dims
+        return 2 * len(dims.layers) * dims.kv_heads * self.config.head_dim * self.kv_dtype.itemsize
 
     def allocate_kv(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (2, num_blocks, self.tokens_per_block, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(c.num_hidden_layers)]
+        shape = (2, num_blocks, self.tokens_per_block, self.net.dims.kv_heads, self.config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.net.layers]
 
     def capture_graphs(self) -> None:
         """One CUDA graph per decode batch bucket (GPU with the Triton kernels only)."""
-        if self.device.type != "cuda" or self.net.ops.name != "triton":
+        if self.device.type != "cuda" or self.net.ops.name != "triton" or self.parallel is not None:
             return
         from .cuda_graphs import CudaGraphs
         with torch.inference_mode():
@@ -123,40 +126,66 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[ModelStepOutput, StepLogits]:
-        self._copy_blocks(out.block_copies)
         ids, positions, slots, starts, seq_lens, tables = self._prepare(out)
         gathered = StepLogits()
         one_token = (len(ids) == len(out.scheduled) and not self.gather_context_logits
                      and all(seq.num_computed_tokens + 1 == seq.num_tokens for _, seq, _ in out.scheduled))
         if one_token and self.graphs is not None and self.graphs.fits(len(ids)):
+            self._copy_blocks(out.block_copies)
             rows = self.graphs.run(ids, positions, slots, seq_lens, tables, long=max(seq_lens) > LONG_CONTEXT)
             done = [seq for _, seq, _ in out.scheduled]
         else:
-            rows, done = self._run_eager(out, ids, positions, slots, starts, seq_lens, tables, gathered)
+            ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+            context = self._context_rows(out, starts) if self.gather_context_logits else []
+            step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
+                        max(n for _, _, n in out.scheduled), max(seq_lens),
+                        [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
+            if self.parallel is not None:
+                self.parallel.broadcast_step(step)
+            logits = self.run_step(step)                                              # (rows, V)
+            rows, done = (logits[:len(ends)] if ends else None), [out.scheduled[i][1] for i in ends]
+            offset = len(ends)
+            for request_id, context_rows in context:
+                gathered.context[request_id] = logits[offset:offset + len(context_rows)].cpu()
+                offset += len(context_rows)
         return self._sample(out, rows, done, gathered), gathered
 
-    def _run_eager(self, out, ids, positions, slots, starts, seq_lens, tables, gathered):
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), query_start_loc=self._tensor(starts),
-                                 seq_lens=self._tensor(seq_lens),
-                                 block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                                 max_query_len=max(n for _, _, n in out.scheduled), max_seq_len=max(seq_lens),
-                                 tokens_per_block=self.tokens_per_block)
-        if meta.max_query_len == 1:
-            meta.num_parts, meta.part_tokens = self._parts(len(seq_lens), width * self.tokens_per_block)
-        hidden = self.net(self._tensor(ids), self._tensor(positions), meta, self.kv_caches)     # (T, hidden)
-        if self.gather_context_logits:
-            self._gather_context(out, hidden, starts, gathered)
-        ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
-        rows = self.net.compute_logits(hidden[self._tensor([starts[i + 1] - 1 for i in ends])]) if ends else None
-        return rows, [out.scheduled[i][1] for i in ends]
-
-    def _gather_context(self, out, hidden, starts, gathered: StepLogits) -> None:
+    def _context_rows(self, out: SchedulerOutput, starts: list[int]) -> list[tuple[int, list[int]]]:
+        """Packed rows whose logits a gather_context_logits engine returns: the prompt positions computed now."""
+        context = []
         for i, (request, seq, n) in enumerate(out.scheduled):
             prompt_left = request.num_prompt_tokens - seq.num_computed_tokens
             if seq is request.seqs[0] and request.context_logits is None and prompt_left > 0:
-                count = min(n, prompt_left)
-                gathered.context[request.request_id] = self.net.compute_logits(hidden[starts[i]:starts[i] + count]).cpu()
+                context.append((request.request_id, list(range(starts[i], starts[i] + min(n, prompt_left)))))
+        return context
+
+    def run_step(self, step: Step) -> torch.Tensor | None:
+        """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32)."""
+        self._copy_blocks(step.block_copies)
+        width = max(len(t) for t in step.block_tables)
+        meta = AttentionMetadata(slot_mapping=self._tensor(step.slot_mapping),
+                                 query_start_loc=self._tensor(step.query_start_loc),
+                                 seq_lens=self._tensor(step.seq_lens),
+                                 block_tables=self._tensor([t + [0] * (width - len(t)) for t in step.block_tables]),
+                                 max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
+                                 tokens_per_block=self.tokens_per_block)
+        if step.max_query_len == 1:
+            meta.num_parts, meta.part_tokens = self._parts(len(step.seq_lens), width * self.tokens_per_block)
+        dims, parallel = self.net.dims, self.parallel
+        hidden_in = None
+        if not dims.first_stage:
+            hidden_in = parallel.recv_hidden(len(step.input_ids), self.config.hidden_size, getattr(torch, self.config.dtype))
+        hidden = self.net(self._tensor(step.input_ids), self._tensor(step.positions), meta, self.kv_caches, hidden_in)
+        if not dims.last_stage:
+            parallel.send_hidden(hidden)
+            if parallel.rank == 0:
+                return parallel.recv_logits(len(step.logit_rows), self.config.vocab_size)
+            return None
+        logits = self.net.compute_logits(hidden[self._tensor(step.logit_rows)]) if step.logit_rows else \
+            torch.empty((0, self.config.vocab_size), device=self.device)
+        if parallel is not None:
+            parallel.send_logits(logits)
+        return logits
 
     # --- sampling -----------------------------------------------------------------------------------------
     def _sample(self, out: SchedulerOutput, rows: torch.Tensor | None, done: list[Sequence],
