@@ -119,13 +119,22 @@ def parser() -> argparse.ArgumentParser:
 def cmd_convert(args) -> None:
     from kiln.models import LlamaForCausalLM
 
+    import dataclasses
+
+    from kiln.config import Mapping
+
     convert = ConvertConfig(**pick(args, args.fields))
     if args.model_dir:
         model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, convert_config=convert)
     else:
         model = LlamaForCausalLM.random(convert.random_model_config(args.dtype), seed=args.seed)
-    model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only)
-    print(f"checkpoint written to {args.output_dir}")
+    if convert.use_embedding_sharing and not model.config.tie_word_embeddings:
+        raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
+    model.config = dataclasses.replace(model.config, **convert.parallel_fields())
+    mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
+    model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only, mapping=mapping,
+                          workers=convert.workers)
+    print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s))")
 
 
 def build_config_from_args(args) -> BuildConfig:
@@ -149,16 +158,31 @@ def cmd_build(args) -> None:
     else:
         build_config, output_dir = build_config_from_args(args), args.output_dir
         if args.checkpoint_dir:
+            from kiln.checkpoint import load_checkpoint_config
+
+            world = load_checkpoint_config(args.checkpoint_dir).mapping.world_size
+            if world > 1:
+                from kiln.builder import build_all_ranks
+
+                engine = build_all_ranks(lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank),
+                                         world, build_config, quiet)
+                _finish_build(engine, build_config, output_dir, quiet)
+                return
             model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir)
         else:
             model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
-    if not output_dir and not build_config.dry_run:
-        raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
     timing = (build_config.input_timing_cache, build_config.output_timing_cache)
     build_config.input_timing_cache = build_config.output_timing_cache = None   # handled below, on the GPU
     engine = build(model, build_config, quiet=quiet)
     build_config.input_timing_cache, build_config.output_timing_cache = timing
-    _compile_gpu_kernels(engine, quiet)
+    _finish_build(engine, build_config, output_dir, quiet)
+
+
+def _finish_build(engine, build_config, output_dir, quiet: bool) -> None:
+    if not output_dir and not build_config.dry_run:
+        raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
+    if engine.pretrained_config.mapping.world_size == 1:
+        _compile_gpu_kernels(engine, quiet)
     if engine.save(output_dir) is not None:
         print(f"engine written to {output_dir} (hash {engine.hash[:16]})")
 

@@ -1,0 +1,123 @@
+"""Tensor and pipeline parallelism on the CPU (gloo, one worker process per extra rank): every layout gives the
+greedy tokens of TP=1 and logits within 1e-5, through convert → build → LLM; a dead worker is a clear error."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import save_tiny_model, tiny_hf_configs
+from kiln import LLM, BuildConfig, SamplingConfig
+from kiln.cli.main import main
+from kiln.config import Mapping, ParallelConfig
+from kiln.distributed.auto import choose_parallelism
+from kiln.models import LlamaForCausalLM
+
+pytestmark = pytest.mark.slow
+BUILD = ["--max_batch_size", "4", "--max_input_len", "64", "--max_seq_len", "128", "--gather_context_logits"]
+PROMPTS = [list(range(5, 45)), list(range(100, 109))]
+
+
+def _outputs(llm: LLM):
+    return llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
+
+
+def _same(outputs, reference):
+    for out, ref in zip(outputs, reference):
+        assert out.token_ids == ref.token_ids
+        assert ((out.context_logits - ref.context_logits).norm() / ref.context_logits.norm()).item() < 1e-5
+
+
+def _reference(hf_dir):
+    with LLM(hf_dir, build_config=BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128,
+                                              gather_context_logits=True), quiet=True) as llm:
+        return _outputs(llm)
+
+
+def _cli_engine(hf_dir, tmp_path, *convert_flags) -> str:
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "ckpt"), *convert_flags]) == 0
+    assert main(["build", "--checkpoint_dir", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "engine"),
+                 *BUILD]) == 0
+    return str(tmp_path / "engine")
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("llama", ["--tp_size", "2", "--use_parallel_embedding", "--workers", "2"]),
+    ("llama", ["--pp_size", "2"]),
+    ("llama", ["--tp_size", "2", "--pp_size", "2"]),
+    ("qwen2", ["--tp_size", "2", "--use_parallel_embedding", "--embedding_sharding_dim", "1"]),
+    ("mixtral", ["--tp_size", "2", "--moe_tp_mode", "0"]),
+    ("mixtral", ["--tp_size", "2", "--pp_size", "2", "--moe_tp_mode", "1"]),
+])
+def test_parallel_layouts_match_tp1(tiny_models, tmp_path, name, flags):
+    hf_dir, _ = tiny_models[name]
+    engine_dir = _cli_engine(hf_dir, tmp_path, *flags)
+    with LLM(engine_dir, quiet=True) as llm:
+        assert llm.engine.pretrained_config.mapping.world_size == llm.core.runner.parallel.mapping.world_size > 1
+        _same(_outputs(llm), _reference(hf_dir))
+
+
+def test_fewer_kv_heads_than_tp_and_an_odd_vocabulary(tmp_path):
+    """One KV head replicated on both ranks; 321 vocabulary rows padded to 322 for the split LM head."""
+    import transformers
+
+    config = tiny_hf_configs()["mistral"]
+    config.vocab_size = 321
+    assert config.num_key_value_heads == 1
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    model = LlamaForCausalLM.from_hugging_face(tmp_path / "hf", quiet=True)
+    shard = model.shard(Mapping(2, 1, 2, 1))
+    assert shard.weights["layers.0.attn.k_proj.weight"].shape[0] == model.config.head_dim
+    assert torch.equal(shard.weights["layers.0.attn.k_proj.weight"], model.weights["layers.0.attn.k_proj.weight"])
+    assert shard.weights["lm_head.weight"].shape[0] == 161
+    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128, gather_context_logits=True)
+    with LLM(model, build_config=build, quiet=True) as llm:
+        reference = _outputs(llm)
+    with LLM(model, build_config=build, quiet=True, parallel_config=ParallelConfig(tp_size=2)) as llm:
+        _same(_outputs(llm), reference)
+
+
+def test_a_dead_worker_is_a_clear_error(tiny_models):
+    hf_dir, _ = tiny_models["llama"]
+    llm = LLM(hf_dir, build_config=BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=512),
+              parallel_config=ParallelConfig(tp_size=2, timeout_s=30), quiet=True)
+    try:
+        result = llm.generate_async(list(range(5, 20)), SamplingConfig(max_new_tokens=490, end_id=-1))
+        time.sleep(1.0)
+        llm._workers.processes[0].kill()
+        start = time.time()
+        with pytest.raises(RuntimeError, match="worker rank 1"):
+            result.result(timeout=90)
+        assert time.time() - start < 90
+    finally:
+        llm.shutdown()
+
+
+def test_auto_parallel_explains_its_choice():
+    from kiln.benchmark import shape_config
+
+    config = shape_config("llama-3.1-8b", "bfloat16")
+    tp, pp, why = choose_parallelism(config, 8)
+    assert (tp, pp) == (8, 1) and "tp=8, pp=1" in why
+    tiny = shape_config("smollm2-135m", "float32")                     # 9 query and 3 KV heads
+    tp, pp, why = choose_parallelism(tiny, 6)
+    assert (tp, pp) == (3, 2) and "num_attention_heads=9 is not divisible by tp_size=6" in why
+    with pytest.raises(ValueError, match="exceed the 1.0 GiB limit"):
+        choose_parallelism(config, 2, max_memory_bytes=2**30)
+
+
+def test_sharded_checkpoint_round_trip_and_errors(tiny_models, tmp_path):
+    hf_dir, _ = tiny_models["llama"]
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "c"), "--tp_size", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "c").glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    rank1 = LlamaForCausalLM.from_checkpoint(tmp_path / "c", rank=1)
+    assert rank1.config.mapping.rank == 1 and rank1.config.mapping.tp_size == 2
+    with pytest.raises(ValueError, match="ranks 0..1; rank 2 asked"):
+        LlamaForCausalLM.from_checkpoint(tmp_path / "c", rank=2)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp_size=3"):
+        LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True).shard(Mapping(3, 0, 3, 1))
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "x"),
+                 "--use_embedding_sharing"]) == 2
