@@ -194,6 +194,11 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    def healthy(self) -> bool:
+        """Whether the engine loop is running and accepts requests (for health checks)."""
+        executor = getattr(self, "_executor", None)
+        return executor is not None and executor.alive
+
     def stats(self) -> dict:
         """Runtime statistics: requests running/waiting, KV blocks used/free, prefix reuse, tokens per step."""
         return self.core.stats()

@@ -147,6 +147,11 @@ class GenerationExecutor:
     def abort(self, request_id: int) -> None:
         self._inbox.put(("abort", request_id))
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine loop is running and takes requests."""
+        return self._thread.is_alive() and not self._stopped.is_set() and self._error is None
+
     def shutdown(self, timeout: float = 30.0) -> None:
         if not self._stopped.is_set():
             self._stopped.set()
