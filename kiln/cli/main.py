@@ -1,4 +1,4 @@
-"""`kiln convert | build | run | demo` (and `kiln-build`, which takes trtllm-build's flags)."""
+"""`kiln convert | build | run | demo | bench | eval | serve` (and `kiln-build`, which takes trtllm-build's flags)."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +85,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--input_spread", type=float, default=0.0, help="input lengths drawn within ±spread×input_len")
     p.add_argument("--request_rate", type=float, help="requests per second (Poisson); default: all at once")
     p.add_argument("--max_batch_size", type=int, help="engine limit for --model builds (throughput default 512)")
+    p.add_argument("--tp_size", type=int, default=1, help="with --model: tensor parallelism (one process per GPU)")
+    p.add_argument("--pp_size", type=int, default=1, help="with --model: pipeline parallelism (one process per GPU)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
@@ -104,6 +106,30 @@ def _eval_parser(sub) -> None:
     p.set_defaults(handler=cmd_eval)
 
 
+def _serve_parser(sub) -> None:
+    from kiln.config import KvCacheConfig
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra: kiln[serve])")
+    p.add_argument("model", help="engine directory, Kiln checkpoint, HF directory or GGUF file")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served_model_name", "--served-model-name",
+                   help="model id clients use (default: the model's file or directory name)")
+    p.add_argument("--api_key", "--api-key", help="bearer token every /v1 route requires (default: $KILN_API_KEY)")
+    p.add_argument("--max_queue", "--max-queue", type=int, default=64,
+                   help="requests that may wait beyond the engine's max_batch_size; more get 429")
+    p.add_argument("--max_body_bytes", "--max-body-bytes", type=int, default=4 * 2**20,
+                   help="largest request body; larger ones get 413")
+    p.add_argument("--shutdown_timeout", "--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--log_prompts", "--log-prompts", action="store_true", help="put prompt text in the log lines")
+    p.add_argument("--enable_chunked_context", action="store_true",
+                   help="split prompts longer than the engine's max_num_tokens over several steps")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv_cache_max_tokens", type=int, help="most tokens the KV cache holds (default: from memory)")
+    p.set_defaults(kv_fields=add_dataclass_args(p, KvCacheConfig, skip=("max_tokens",)), handler=cmd_serve)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _bench_parser(sub)
     _eval_parser(sub)
+    _serve_parser(sub)
     return p
 
 
@@ -296,6 +323,27 @@ def cmd_eval(args) -> None:
     print(f"perplexity {ppl:.4f} over {count} tokens ({path.name})")
 
 
+def cmd_serve(args) -> None:
+    import os
+    from pathlib import Path
+
+    try:
+        from kiln.server import ServerConfig
+        from kiln.server.run import serve
+    except ImportError as err:
+        raise ValueError(f"kiln serve needs the serve extra ({err.name} is missing): pip install 'kiln[serve]'") from None
+    from kiln import LLM, KvCacheConfig
+
+    config = ServerConfig(model_name=args.served_model_name or Path(args.model).name,
+                          api_key=args.api_key or os.environ.get("KILN_API_KEY") or None, max_queue=args.max_queue,
+                          max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts)
+    kv_cache = KvCacheConfig(**{"enable_block_reuse": True, "max_tokens": args.kv_cache_max_tokens,
+                                **pick(args, args.kv_fields)})
+    llm = LLM(args.model, kv_cache_config=kv_cache, enable_chunked_context=args.enable_chunked_context,
+              device=args.device)
+    serve(llm, config, args.host, args.port, args.shutdown_timeout)
+
+
 def cmd_bench(args) -> None:
     import torch
 
@@ -303,6 +351,8 @@ def cmd_bench(args) -> None:
     from kiln import benchmark as bench
 
     device = torch.device(args.device)
+    if args.engine_dir and args.tp_size * args.pp_size > 1:
+        raise ValueError("--tp_size/--pp_size apply to --model; a built engine carries its own parallelism")
     if args.engine_dir:
         engine = Engine.from_dir(args.engine_dir, device=device)
         name, dtype = args.engine_dir, engine.pretrained_config.dtype
@@ -311,7 +361,8 @@ def cmd_bench(args) -> None:
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
         quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo)
-        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config)
+        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config,
+                                     tp_size=args.tp_size, pp_size=args.pp_size)
         name, dtype = args.model, args.dtype
     hw = bench.Hardware.measure(device, getattr(torch, dtype))
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json) as llm:

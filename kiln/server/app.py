@@ -1,0 +1,95 @@
+"""The FastAPI app of `kiln serve`: OpenAI's /v1 routes (bearer auth), /health, /metrics and the chat page."""
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from .auth import bearer_check
+from .chat import create_chat_completion
+from .completions import create_completion
+from .config import ServerConfig
+from .errors import APIError, install_error_handlers
+from .generation import ClientDisconnected
+from .middleware import RequestLog
+from .state import ServerState
+
+CLIENT_CLOSED = 499   # nginx's status for "the client closed the connection"
+
+
+def create_app(llm, config: ServerConfig | None = None, owns_llm: bool = False) -> FastAPI:
+    """An app serving `llm`; with owns_llm the LLM is shut down when the app stops."""
+    state = ServerState(llm, config or ServerConfig())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        state.admission.draining = True
+        if owns_llm:
+            llm.shutdown()
+
+    app = FastAPI(title="Kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kiln = state
+    install_error_handlers(app)
+    app.add_middleware(RequestLog, metrics=state.metrics)
+    app.include_router(_v1_routes(state), dependencies=[Depends(bearer_check(state.config.api_key))])
+    app.include_router(_plain_routes(state))
+    return app
+
+
+def _v1_routes(state: ServerState) -> APIRouter:
+    router, created = APIRouter(prefix="/v1"), int(time.time())
+
+    @router.get("/models")
+    async def models():
+        return {"object": "list", "data": [state.model_card(created)]}
+
+    @router.get("/models/{model:path}")
+    async def model(model: str):
+        state.check_model(model)
+        return state.model_card(created)
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        return await _generate(create_completion, request, state)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(create_chat_completion, request, state)
+
+    return router
+
+
+async def _generate(handler, request: Request, state: ServerState):
+    try:
+        return await handler(request, state)
+    except ClientDisconnected:
+        request.state.outcome = "client disconnected"
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def _plain_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    page = resources.files("kiln.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+    @router.get("/health")
+    async def health():
+        if state.admission.draining:
+            raise APIError(503, "the server is shutting down", "server_shutting_down")
+        if not state.llm.healthy():
+            raise APIError(503, "the engine loop has stopped", "engine_unavailable")
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics():
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @router.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(page)
+
+    return router
