@@ -5,6 +5,8 @@ Engines come from a directory, or are built on the spot with random weights of a
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kiln.builder import Engine, build
-from kiln.config import BuildConfig, KvCacheConfig, PretrainedConfig
+from kiln.config import BuildConfig, KvCacheConfig, Mapping, PretrainedConfig
 from kiln.runtime.sampling import SamplingConfig
 
 LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -42,16 +44,31 @@ def shape_config(name: str, dtype: str) -> PretrainedConfig:
 
 
 def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True,
-                  quant_config=None) -> Engine:
+                  quant_config=None, tp_size: int = 1, pp_size: int = 1, rank: int = 0) -> Engine:
     """An engine of a real model's shape with random weights, made on `device` in seconds (quantized first when
-    `quant_config` asks; modes that need calibration run it on random tokens)."""
+    `quant_config` asks; modes that need calibration run it on random tokens). With tp_size × pp_size > 1 it is
+    `rank`'s shard, made directly in its local shapes, and the other ranks make theirs the same way."""
     from kiln.models import LlamaForCausalLM
 
-    model = LlamaForCausalLM.random(shape_config(name, dtype), device=device)
+    config, world = shape_config(name, dtype), tp_size * pp_size
+    if world > 1:
+        if quant_config is not None and quant_config.enabled:
+            raise ValueError("kiln bench: --quant_algo/--kv_cache_quant_algo with tp_size/pp_size > 1 is not "
+                             "supported yet (quantize and shard a checkpoint with kiln convert, then --engine_dir)")
+        config = dataclasses.replace(config, mapping=Mapping(world, rank, tp_size, pp_size))
+    model = LlamaForCausalLM.random(config, seed=rank, device=device)
     if quant_config is not None and quant_config.enabled:
         from kiln.quantization import quantize_model
         model = quantize_model(model, quant_config, calib_size=4, quiet=quiet)
-    return build(model, build_config, quiet=quiet)
+    engine = build(model, build_config, quiet=quiet)
+    if world > 1:
+        engine.rank_loader = functools.partial(_random_rank, name, dtype, build_config, tp_size, pp_size)
+    return engine
+
+
+def _random_rank(name: str, dtype: str, build_config: BuildConfig, tp_size: int, pp_size: int, rank: int,
+                 device) -> Engine:
+    return random_engine(name, dtype, build_config, str(device), tp_size=tp_size, pp_size=pp_size, rank=rank)
 
 
 @dataclass

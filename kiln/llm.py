@@ -3,6 +3,7 @@ then serves generate / generate_async from one background engine loop."""
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from pathlib import Path
 from typing import Sequence, Union
@@ -12,6 +13,7 @@ import torch
 from kiln.builder import Engine, build, build_all_ranks, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
 from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
+from kiln.distributed import launched_rank, rank_device, serve_steps
 from kiln.distributed.auto import choose_parallelism
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
@@ -111,6 +113,12 @@ class LLM:
             raise ValueError("enable_trt_overlap=True is not supported by Kiln yet (it needs the GPU fast path)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._workers = self._parallel = self._tmp_engine = None
+        launched = launched_rank()
+        if launched is not None:
+            _check_launched_engine(model, launched[1])
+            if launched[0] > 0:
+                _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
+            self.device = rank_device(self.device.type, 0)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
@@ -120,7 +128,8 @@ class LLM:
         self.eos_ids = eos_token_ids(self.tokenizer, self.engine.tokenizer_files)
         self.decoding_mode = decoding_mode or DecodingMode.none
         if self.engine.pretrained_config.mapping.world_size > 1:
-            self._start_workers(model, kv_cache_config or KvCacheConfig(), (parallel_config or ParallelConfig()).timeout_s)
+            self._start_ranks(model, kv_cache_config or KvCacheConfig(), parallel_config or ParallelConfig(),
+                              launched is not None)
         self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
                                normalize_log_probs, parallel=self._parallel)
         if not quiet:
@@ -129,24 +138,34 @@ class LLM:
         self._executor = GenerationExecutor(self.core, copy.deepcopy(self.tokenizer), failure)
         self._next_request_id = 0
 
-    def _start_workers(self, model, kv_cache_config: KvCacheConfig, timeout_s: float) -> None:
-        """Ranks 1..N-1 in worker processes reading the engine from disk; rank 0 (this process) keeps rank 0."""
+    def _start_ranks(self, model, kv_cache_config: KvCacheConfig, parallel: ParallelConfig, launched: bool) -> None:
+        """Join ranks 1..N-1: started by an external launcher, or spawned here as worker processes that load
+        their shards themselves (from the engine directory, saved first when the engine was built here)."""
         import dataclasses
-        import tempfile
 
         from kiln.distributed import Workers, init_process_group
 
         mapping = self.engine.pretrained_config.mapping
-        if isinstance(model, (str, Path)) and is_engine_dir(Path(model)):
-            engine_dir = Path(model)
+        if launched:
+            init_method = "env://"
         else:
-            self._tmp_engine = tempfile.TemporaryDirectory(prefix="kiln-engine-")
-            engine_dir = Path(self._tmp_engine.name) / "engine"
-            self.engine.save(engine_dir)
+            self._workers = Workers(self._rank_loader(model), mapping.world_size, self.device.type, parallel.timeout_s)
+            init_method = self._workers.init_method
         self.engine.weights = {0: self.engine.weights[0]}
-        self._workers = Workers(str(engine_dir), mapping.world_size, self.device.type,
-                                dataclasses.asdict(kv_cache_config), timeout_s)
-        self._parallel = init_process_group(mapping.for_rank(0), self.device, self._workers.init_method, timeout_s)
+        self._parallel = init_process_group(mapping.for_rank(0), self.device, init_method, parallel.timeout_s)
+        self._parallel.broadcast(dataclasses.asdict(kv_cache_config))
+
+    def _rank_loader(self, model):
+        if self.engine.rank_loader is not None:
+            return self.engine.rank_loader
+        import tempfile
+
+        from kiln.builder.engine import load_engine_rank
+
+        self._tmp_engine = tempfile.TemporaryDirectory(prefix="kiln-engine-")
+        engine_dir = Path(self._tmp_engine.name) / "engine"
+        self.engine.save(engine_dir)
+        return functools.partial(load_engine_rank, str(engine_dir))
 
     @property
     def build_config(self) -> BuildConfig:
@@ -280,14 +299,15 @@ class LLM:
         if executor is not None:
             executor.shutdown()
         workers, parallel = getattr(self, "_workers", None), getattr(self, "_parallel", None)
+        self._workers = self._parallel = None
+        if parallel is not None and (workers is None or workers.failure() is None):
+            try:
+                parallel.broadcast_step(None)
+            except Exception:  # noqa: BLE001 - a rank already gone: stop() below ends the rest
+                pass
         if workers is not None:
-            self._workers = self._parallel = None
-            if parallel is not None and workers.failure() is None:
-                try:
-                    parallel.broadcast_step(None)
-                except Exception:  # noqa: BLE001 - a rank already gone: stop() below ends the rest
-                    pass
             workers.stop()
+        if parallel is not None:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -300,6 +320,30 @@ class LLM:
 
     def __del__(self):
         self.shutdown()
+
+
+def _check_launched_engine(model, world_size: int) -> None:
+    """Under torchrun/Slurm/mpirun every rank loads its own shard: the model must be an engine of that many ranks."""
+    path = Path(model) if isinstance(model, (str, Path)) else None
+    if path is None or not is_engine_dir(path):
+        raise ValueError(f"started as one of {world_size} ranks (WORLD_SIZE={world_size}): LLM needs a built engine "
+                         f"directory with {world_size} ranks, got {model!r}; build one with kiln build first")
+    from kiln.builder.engine import read_manifest
+
+    engine_world = PretrainedConfig.from_dict(read_manifest(path)["pretrained_config"]).mapping.world_size
+    if engine_world != world_size:
+        raise ValueError(f"{path} has {engine_world} ranks but {world_size} processes were started "
+                         f"(WORLD_SIZE={world_size}); start {engine_world}")
+
+
+def _serve_launched_worker(model, launched: tuple[int, int], device: torch.device, parallel: ParallelConfig):
+    """Rank > 0 of an externally launched run: serve rank 0's steps, then end this process when it stops."""
+    from kiln.builder.engine import load_engine_rank
+
+    rank, world_size = launched
+    serve_steps(rank, world_size, "env://", functools.partial(load_engine_rank, str(model)), device.type,
+                parallel.timeout_s)
+    raise SystemExit(0)
 
 
 def _progress(results: list[GenerationResult], show: bool):

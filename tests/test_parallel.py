@@ -121,3 +121,91 @@ def test_sharded_checkpoint_round_trip_and_errors(tiny_models, tmp_path):
         LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True).shard(Mapping(3, 0, 3, 1))
     assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "x"),
                  "--use_embedding_sharing"]) == 2
+
+
+LAUNCHED_SCRIPT = """
+import json, sys
+from kiln import LLM, SamplingConfig
+llm = LLM(sys.argv[1], quiet=True)
+outs = llm.generate({prompts}, SamplingConfig(max_new_tokens=8, end_id=-1))
+print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
+llm.shutdown()
+"""
+
+
+def _launched_tokens(stdout: str):
+    import json
+
+    lines = [line for line in stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, stdout                       # only rank 0 returns from LLM(...) and prints
+    return json.loads(lines[0][len("TOKENS "):])
+
+
+def test_torchrun_runs_the_same_engine(tiny_models, tmp_path):
+    """Every rank runs the user's script under torchrun; ranks > 0 serve inside LLM(...) and exit with rank 0."""
+    import subprocess
+    import sys
+
+    from kiln.distributed import free_port
+
+    hf_dir, _ = tiny_models["llama"]
+    engine_dir = _cli_engine(hf_dir, tmp_path, "--tp_size", "2")
+    script = tmp_path / "generate.py"
+    script.write_text(LAUNCHED_SCRIPT.format(prompts=PROMPTS))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(script), engine_dir],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _launched_tokens(done.stdout) == [o.token_ids for o in _reference(hf_dir)]
+
+
+def test_worker_rank_as_its_own_program(tiny_models, tmp_path):
+    """Rank 0 runs a program over the engine; rank 1 runs `python -m kiln.distributed ENGINE` (as on another host)."""
+    import os
+    import subprocess
+    import sys
+
+    from kiln.distributed import free_port
+
+    hf_dir, _ = tiny_models["llama"]
+    engine_dir = _cli_engine(hf_dir, tmp_path, "--pp_size", "2")
+    script = tmp_path / "generate.py"
+    script.write_text(LAUNCHED_SCRIPT.format(prompts=PROMPTS))
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = subprocess.Popen([sys.executable, "-m", "kiln.distributed", engine_dir], env=dict(env, RANK="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    main_rank = subprocess.run([sys.executable, str(script), engine_dir], env=dict(env, RANK="0"),
+                               capture_output=True, text=True, timeout=300)
+    _, worker_err = worker.communicate(timeout=60)
+    assert main_rank.returncode == 0 and worker.returncode == 0, main_rank.stderr[-2000:] + worker_err[-2000:]
+    assert _launched_tokens(main_rank.stdout) == [o.token_ids for o in _reference(hf_dir)]
+
+
+def test_launched_rank_needs_a_matching_engine(tiny_models, tmp_path, monkeypatch):
+    hf_dir, _ = tiny_models["llama"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="needs a built engine directory with 2 ranks"):
+        LLM(hf_dir, quiet=True)
+    engine_dir = _cli_engine(hf_dir, tmp_path)
+    with pytest.raises(ValueError, match="has 1 ranks but 2 processes were started"):
+        LLM(engine_dir, quiet=True)
+
+
+def test_pipeline_micro_batches_split_whole_sequences():
+    from kiln.distributed import Step, split_step
+
+    starts = [0, 6, 7, 8, 14]
+    step = Step([(1, 2)], list(range(14)), list(range(14)), list(range(14)), starts, [6, 3, 3, 9],
+                [[0], [1], [2], [3]], 6, 9, [5, 6, 7, 13, 0, 1])
+    parts = split_step(step, 2)
+    assert [p.query_start_loc for p, _ in parts] == [[0, 6, 7], [0, 1, 7]]
+    assert [p.block_copies for p, _ in parts] == [[(1, 2)], []]
+    assert [p.seq_lens for p, _ in parts] == [[6, 3], [3, 9]]
+    assert [(p.logit_rows, owned) for p, owned in parts] == [([5, 6, 0, 1], [0, 1, 4, 5]), ([0, 6], [2, 3])]
+    assert [p.max_query_len for p, _ in parts] == [6, 6]
+    assert len(split_step(step, 8)) == 4 and len(split_step(step, 1)) == 1
+    rebuilt = [step.input_ids[0:0]]
+    for p, _ in parts:
+        rebuilt[0] += p.input_ids
+    assert rebuilt[0] == step.input_ids

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,6 +38,9 @@ class Engine:
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     network_text: str | None = None
     kernel_cache: dict[str, bytes] = field(default_factory=dict)   # compiled GPU kernels (triton_cache/)
+    # how another process gets rank r's engine on its device: rank_loader(r, device) (picklable), None when
+    # the other ranks' weights exist only in this process
+    rank_loader: Callable[[int, torch.device], "Engine"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def hash(self) -> str:
@@ -82,7 +87,12 @@ class Engine:
         weights = _load_rank(engine_dir / f"rank{rank}.safetensors", manifest["hash"], device)
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
-        return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir), kernel_cache=kernels)
+        return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir), kernel_cache=kernels,
+                   rank_loader=functools.partial(load_engine_rank, str(engine_dir)))
+
+
+def load_engine_rank(engine_dir: str, rank: int, device: str | torch.device) -> Engine:
+    return Engine.from_dir(engine_dir, rank=rank, device=device)
 
 
 def is_engine_dir(path: Path) -> bool:

@@ -14,7 +14,7 @@ from kiln.models import model_class
 from . import sampler
 from .beam_search import beams_to_keep
 from .request import Request, Sequence
-from kiln.distributed import Step
+from kiln.distributed import Step, split_step
 
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 
@@ -73,8 +73,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.net.layers]
 
     def capture_graphs(self) -> None:
-        """One CUDA graph per decode batch bucket (GPU with the Triton kernels only)."""
-        if self.device.type != "cuda" or self.net.ops.name != "triton" or self.parallel is not None:
+        """One CUDA graph per decode batch bucket (GPU with the Triton kernels only; with tensor parallelism every
+        rank captures the same buckets in the same order, the NCCL collectives inside the graphs)."""
+        pipelined = self.parallel is not None and self.config.mapping.pp_size > 1
+        if self.device.type != "cuda" or self.net.ops.name != "triton" or pipelined:
             return
         from .cuda_graphs import CudaGraphs
         with torch.inference_mode():
@@ -128,26 +130,19 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[ModelStepOutput, StepLogits]:
         ids, positions, slots, starts, seq_lens, tables = self._prepare(out)
         gathered = StepLogits()
-        one_token = (len(ids) == len(out.scheduled) and not self.gather_context_logits
-                     and all(seq.num_computed_tokens + 1 == seq.num_tokens for _, seq, _ in out.scheduled))
-        if one_token and self.graphs is not None and self.graphs.fits(len(ids)):
-            self._copy_blocks(out.block_copies)
-            rows = self.graphs.run(ids, positions, slots, seq_lens, tables, long=max(seq_lens) > LONG_CONTEXT)
-            done = [seq for _, seq, _ in out.scheduled]
-        else:
-            ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
-            context = self._context_rows(out, starts) if self.gather_context_logits else []
-            step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
-                        max(n for _, _, n in out.scheduled), max(seq_lens),
-                        [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
-            if self.parallel is not None:
-                self.parallel.broadcast_step(step)
-            logits = self.run_step(step)                                              # (rows, V)
-            rows, done = (logits[:len(ends)] if ends else None), [out.scheduled[i][1] for i in ends]
-            offset = len(ends)
-            for request_id, context_rows in context:
-                gathered.context[request_id] = logits[offset:offset + len(context_rows)].cpu()
-                offset += len(context_rows)
+        ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+        context = self._context_rows(out, starts) if self.gather_context_logits else []
+        step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
+                    max(n for _, _, n in out.scheduled), max(seq_lens),
+                    [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
+        if self.parallel is not None:
+            self.parallel.broadcast_step(step)
+        logits = self.run_step(step)                                                  # (rows, V)
+        rows, done = (logits[:len(ends)] if ends else None), [out.scheduled[i][1] for i in ends]
+        offset = len(ends)
+        for request_id, context_rows in context:
+            gathered.context[request_id] = logits[offset:offset + len(context_rows)].cpu()
+            offset += len(context_rows)
         return self._sample(out, rows, done, gathered), gathered
 
     def _context_rows(self, out: SchedulerOutput, starts: list[int]) -> list[tuple[int, list[int]]]:
@@ -160,8 +155,22 @@ class ModelRunner:
         return context
 
     def run_step(self, step: Step) -> torch.Tensor | None:
-        """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32)."""
+        """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32). Steps
+        where every sequence computes its one next token replay a CUDA graph when there is one."""
+        n = len(step.input_ids)
+        if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
+                and self.graphs.fits(n)):
+            self._copy_blocks(step.block_copies)
+            return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                   step.block_tables, long=step.max_seq_len > LONG_CONTEXT)
+        if self.parallel is not None and self.config.mapping.pp_size > 1:
+            return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)
+        hidden = self.net(self._tensor(step.input_ids), self._tensor(step.positions), self._metadata(step),
+                          self.kv_caches)
+        return self._logits(hidden, step)
+
+    def _metadata(self, step: Step) -> AttentionMetadata:
         width = max(len(t) for t in step.block_tables)
         meta = AttentionMetadata(slot_mapping=self._tensor(step.slot_mapping),
                                  query_start_loc=self._tensor(step.query_start_loc),
@@ -171,20 +180,37 @@ class ModelRunner:
                                  tokens_per_block=self.tokens_per_block)
         if step.max_query_len == 1:
             meta.num_parts, meta.part_tokens = self._parts(len(step.seq_lens), width * self.tokens_per_block)
+        return meta
+
+    def _logits(self, hidden: torch.Tensor, step: Step) -> torch.Tensor:
+        if not step.logit_rows:
+            return torch.empty((0, self.config.vocab_size), device=self.device)
+        return self.net.compute_logits(hidden[self._tensor(step.logit_rows)])
+
+    def _run_pipelined(self, step: Step) -> torch.Tensor | None:
+        """This stage's share of a pipelined step: one micro-batch per stage, each sent on as soon as it is
+        computed, so stage s works on micro-batch i while stage s+1 works on micro-batch i-1."""
         dims, parallel = self.net.dims, self.parallel
-        hidden_in = None
-        if not dims.first_stage:
-            hidden_in = parallel.recv_hidden(len(step.input_ids), self.config.hidden_size, getattr(torch, self.config.dtype))
-        hidden = self.net(self._tensor(step.input_ids), self._tensor(step.positions), meta, self.kv_caches, hidden_in)
-        if not dims.last_stage:
-            parallel.send_hidden(hidden)
-            if parallel.rank == 0:
-                return parallel.recv_logits(len(step.logit_rows), self.config.vocab_size)
+        dtype = getattr(torch, self.config.dtype)
+        self._copy_blocks(step.block_copies)
+        micro_batches, in_flight = split_step(step, self.config.mapping.pp_size), []
+        for sub, _ in micro_batches:
+            hidden_in = None if dims.first_stage else parallel.recv_hidden(len(sub.input_ids),
+                                                                           self.config.hidden_size, dtype)
+            hidden = self.net(self._tensor(sub.input_ids), self._tensor(sub.positions), self._metadata(sub),
+                              self.kv_caches, hidden_in)
+            sent = parallel.send_hidden(hidden) if not dims.last_stage else \
+                parallel.send_logits(self._logits(hidden, sub))
+            in_flight.append(sent)
+        for sent in in_flight:
+            if sent is not None:
+                sent[1].wait()
+        if parallel.rank != 0:
             return None
-        logits = self.net.compute_logits(hidden[self._tensor(step.logit_rows)]) if step.logit_rows else \
-            torch.empty((0, self.config.vocab_size), device=self.device)
-        if parallel is not None:
-            parallel.send_logits(logits)
+        logits = torch.empty((len(step.logit_rows), self.config.vocab_size), dtype=torch.float32, device=self.device)
+        for sub, owned in micro_batches:
+            if owned:
+                logits[self._tensor(owned)] = parallel.recv_logits(len(owned), self.config.vocab_size)
         return logits
 
     # --- sampling -----------------------------------------------------------------------------------------
