@@ -30,7 +30,7 @@ class ServerState:
         """Remember what the log line may show: the user id, and the prompt only with log_prompts."""
         request.state.user = user
         if self.config.log_prompts:
-            request.state.prompt = prompt
+            request.state.prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (token ids are decoded), for echo."""
