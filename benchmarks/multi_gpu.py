@@ -10,6 +10,8 @@ Results print as they come and go to $OUT/multi_gpu.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kiln import LLM, BuildConfig, SamplingConfig, build  # noqa: E402
+from kiln import LLM, BuildConfig, Engine, SamplingConfig, build  # noqa: E402
 from kiln import benchmark as bench  # noqa: E402
 from kiln.config import KvCacheConfig, Mapping  # noqa: E402
 from kiln.models import LlamaForCausalLM  # noqa: E402
@@ -38,13 +40,15 @@ def log(key, value):
         json.dump(RESULTS, f, indent=1)
 
 
-def sharded_8b(rank: int, device) -> "kiln.Engine":  # noqa: F821
+def sharded_8b(custom_all_reduce: bool, rank: int, device) -> Engine:
     """Rank `rank` of TP=2 over the 8B model every rank makes from seed 0 (identical weights to TP=1's)."""
     model = LlamaForCausalLM.random(bench.shape_config("llama-3.1-8b", "bfloat16"), seed=0, device=device)
     shard = model.shard(Mapping(2, rank, 2, 1))
     del model
     torch.cuda.empty_cache()
-    return build(shard, CHECK_BUILD, quiet=True)
+    build_config = dataclasses.replace(CHECK_BUILD, plugin_config=dataclasses.replace(
+        CHECK_BUILD.plugin_config, use_custom_all_reduce=custom_all_reduce))
+    return build(shard, build_config, quiet=True)
 
 
 def check(args):
@@ -55,17 +59,25 @@ def check(args):
         reference = llm.generate(prompts, sampling)
     del full, llm
     torch.cuda.empty_cache()
-    engine = sharded_8b(0, torch.device("cuda", 0))
-    engine.rank_loader = sharded_8b
-    with LLM(engine, quiet=True, kv_cache_config=KvCacheConfig(max_tokens=8192)) as llm:
-        outputs = llm.generate(prompts, sampling)
-    errors = [((o.context_logits - r.context_logits).norm() / r.context_logits.norm()).item()
-              for o, r in zip(outputs, reference)]
-    same_prefix = [next((i for i, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b), len(o.token_ids))
-                   for o, r in zip(outputs, reference)]
-    log("tp2_vs_tp1_prompt_logits_rel_error", [round(e, 5) for e in errors])
-    log("tp2_vs_tp1_greedy_tokens_equal_prefix", same_prefix)
-    log("tp2_vs_tp1_ok", max(errors) < 2e-2 and min(same_prefix) >= 8)
+    for custom in (False, True):
+        key = "tp2_custom_all_reduce" if custom else "tp2_nccl"
+        try:
+            engine = sharded_8b(custom, 0, torch.device("cuda", 0))
+            engine.rank_loader = functools.partial(sharded_8b, custom)
+            with LLM(engine, quiet=True, kv_cache_config=KvCacheConfig(max_tokens=8192)) as llm:
+                outputs = llm.generate(prompts, sampling)
+        except Exception:  # noqa: BLE001 - report and go on to the other variant
+            log(f"{key}_error", traceback.format_exc()[-3000:])
+            continue
+        errors = [((o.context_logits - r.context_logits).norm() / r.context_logits.norm()).item()
+                  for o, r in zip(outputs, reference)]
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b),
+                            len(o.token_ids)) for o, r in zip(outputs, reference)]
+        log(f"{key}_vs_tp1_prompt_logits_rel_error", [round(e, 5) for e in errors])
+        log(f"{key}_vs_tp1_greedy_tokens_equal_prefix", same_prefix)
+        log(f"{key}_vs_tp1_ok", max(errors) < 2e-2 and min(same_prefix) >= 8)
+        del engine, llm
+        torch.cuda.empty_cache()
 
 
 def kiln_bench(key: str, *flags: str, timeout: int = 400):
@@ -86,6 +98,8 @@ def latency(args):
     n = "3" if args.quick else "10"
     kiln_bench("latency_8b_tp1", "latency", "--model", "llama-3.1-8b", "--num_requests", n)
     kiln_bench("latency_8b_tp2", "latency", "--model", "llama-3.1-8b", "--num_requests", n, "--tp_size", "2")
+    kiln_bench("latency_8b_tp2_custom_all_reduce", "latency", "--model", "llama-3.1-8b", "--num_requests", n,
+               "--tp_size", "2", "--use_custom_all_reduce")
 
 
 def throughput70b(args):

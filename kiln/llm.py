@@ -143,16 +143,17 @@ class LLM:
         their shards themselves (from the engine directory, saved first when the engine was built here)."""
         import dataclasses
 
-        from kiln.distributed import Workers, init_process_group
+        from kiln.distributed import Workers, check_runnable, init_process_group
 
         mapping = self.engine.pretrained_config.mapping
+        check_runnable(self.engine, self.device)
         if launched:
             init_method = "env://"
         else:
             self._workers = Workers(self._rank_loader(model), mapping.world_size, self.device.type, parallel.timeout_s)
             init_method = self._workers.init_method
         self.engine.weights = {0: self.engine.weights[0]}
-        self._parallel = init_process_group(mapping.for_rank(0), self.device, init_method, parallel.timeout_s)
+        self._parallel = init_process_group(self.engine, self.device, init_method, parallel.timeout_s)
         self._parallel.broadcast(dataclasses.asdict(kv_cache_config))
 
     def _rank_loader(self, model):

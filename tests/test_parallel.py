@@ -209,3 +209,14 @@ def test_pipeline_micro_batches_split_whole_sequences():
     for p, _ in parts:
         rebuilt[0] += p.input_ids
     assert rebuilt[0] == step.input_ids
+
+
+def test_custom_all_reduce_needs_tensor_parallel_gpus(tiny_models, tmp_path):
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    build = BuildConfig.from_dict({"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 64,
+                                   "plugin_config": {"use_custom_all_reduce": True}})
+    with pytest.raises(ValueError, match="use_custom_all_reduce needs tensor parallelism"):
+        LLM(model, build_config=build, quiet=True)
+    with pytest.raises(ValueError, match="use_custom_all_reduce, which needs CUDA GPUs"):
+        LLM(model, build_config=build, quiet=True, parallel_config=ParallelConfig(tp_size=2, timeout_s=20))

@@ -34,6 +34,8 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
         if value not in ("auto", "disable", config.dtype):
             raise ValueError(f"PluginConfig.{name}={value!r} differs from the model dtype {config.dtype!r}; "
                              "use auto or the model's dtype")
+    if plugins.use_custom_all_reduce and config.mapping.tp_size == 1:
+        raise ValueError("PluginConfig.use_custom_all_reduce needs tensor parallelism (tp_size > 1)")
     if build_config.input_timing_cache or build_config.output_timing_cache:
         raise ValueError("timing caches come from compiling the kernels on a GPU: use `kiln build` there, or "
                          "kiln.runtime.kernel_cache.compile_kernels(engine) after build()")

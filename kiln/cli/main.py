@@ -87,6 +87,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--max_batch_size", type=int, help="engine limit for --model builds (throughput default 512)")
     p.add_argument("--tp_size", type=int, default=1, help="with --model: tensor parallelism (one process per GPU)")
     p.add_argument("--pp_size", type=int, default=1, help="with --model: pipeline parallelism (one process per GPU)")
+    p.add_argument("--use_custom_all_reduce", action="store_true",
+                   help="with --model and --tp_size: symmetric-memory all-reduce for small messages")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
@@ -360,6 +362,7 @@ def cmd_bench(args) -> None:
         from kiln.config import QuantConfig
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
+        build_config.plugin_config.use_custom_all_reduce = args.use_custom_all_reduce
         quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo)
         engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config,
                                      tp_size=args.tp_size, pp_size=args.pp_size)

@@ -31,7 +31,8 @@ class PluginConfig:
     """Split generation attention along the sequence (512 tokens per program) so long contexts use the whole
     GPU; off, one program covers a sequence's whole cache."""
     use_custom_all_reduce: bool = False
-    """Custom all-reduce kernel for tensor parallelism."""
+    """Tensor parallelism on GPUs of one host: small all-reduces (decode steps) run as one kernel that reads the
+    peers' buffers over NVLink (PyTorch symmetric memory), larger ones through NCCL."""
     use_fp8_all_reduce: bool = False
     """All-reduce in FP8."""
     use_fp8_cast_plugin: bool = False
@@ -51,7 +52,7 @@ class PluginConfig:
                 f"PluginConfig.tokens_per_block={self.tokens_per_block} must be a power of two")
         reject_unsupported(self, ["remove_input_padding", "paged_kv_cache"], "Kiln always uses packed, paged inputs")
         reject_unsupported(self, ["use_fp8_context_fmha", "use_fp8_cast_plugin"], "FP8 is not implemented yet")
-        reject_unsupported(self, ["use_custom_all_reduce", "use_fp8_all_reduce"], "multi-GPU is not implemented yet")
+        reject_unsupported(self, ["use_fp8_all_reduce"], "Kiln all-reduces in the model's dtype")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
         reject_unsupported(self, ["lora_plugin"], "LoRA is not implemented yet")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm, GroupComm
+from .comm import Comm, GroupComm, SymmetricMemoryComm
 
 STOP = None
 
@@ -68,13 +68,19 @@ def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
 class ParallelContext:
     """This process's place among the ranks, its tensor-parallel group and its pipeline neighbours."""
 
-    def __init__(self, mapping, device: torch.device):
+    def __init__(self, mapping, device: torch.device, custom_all_reduce_dtype: torch.dtype | None = None):
+        """custom_all_reduce_dtype: the model's dtype when the engine asks for symmetric-memory all-reduces."""
         import torch.distributed as dist
 
         self.mapping, self.device, self.dist = mapping, device, dist
         tp, pp = mapping.tp_size, mapping.pp_size
         groups = [dist.new_group(ranks=[s * tp + t for t in range(tp)]) for s in range(pp)]
-        self.comm: Comm = GroupComm(groups[mapping.pp_rank], tp, mapping.tp_rank) if tp > 1 else Comm()
+        self.comm: Comm = Comm()
+        if tp > 1 and custom_all_reduce_dtype is not None:
+            self.comm = SymmetricMemoryComm(groups[mapping.pp_rank], tp, mapping.tp_rank, custom_all_reduce_dtype,
+                                            device)
+        elif tp > 1:
+            self.comm = GroupComm(groups[mapping.pp_rank], tp, mapping.tp_rank)
         self.control = dist.new_group(backend="gloo") if device.type == "cuda" else None   # steps, on the host
         self.last_stage_rank = (pp - 1) * tp                   # tp rank 0 of the last stage sends rank 0 the logits
 
@@ -119,13 +125,24 @@ class ParallelContext:
         return int(t.item())
 
 
-def init_process_group(mapping, device: torch.device, init_method: str, timeout_s: float) -> ParallelContext:
+def check_runnable(engine, device: torch.device) -> None:
+    """Fail before any process starts when the engine's parallel options cannot run on this device."""
+    if engine.build_config.plugin_config.use_custom_all_reduce and device.type != "cuda":
+        raise ValueError("the engine was built with use_custom_all_reduce, which needs CUDA GPUs of one host; "
+                         "rebuild without it to run on the CPU")
+
+
+def init_process_group(engine, device: torch.device, init_method: str, timeout_s: float) -> ParallelContext:
+    """Join the engine's ranks (this process is engine.pretrained_config.mapping.rank)."""
     import torch.distributed as dist
 
+    config, mapping = engine.pretrained_config, engine.pretrained_config.mapping
+    check_runnable(engine, device)
+    custom = engine.build_config.plugin_config.use_custom_all_reduce
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=mapping.rank, world_size=mapping.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelContext(mapping, device)
+    return ParallelContext(mapping, device, getattr(torch, config.dtype) if custom else None)
 
 
 def free_port() -> int:
@@ -165,7 +182,7 @@ def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_
     mapping = engine.pretrained_config.mapping
     if mapping.world_size != world_size or mapping.rank != rank:
         raise ValueError(f"the engine has {mapping.world_size} ranks; rank {rank} of {world_size} processes asked")
-    parallel = init_process_group(mapping, device, init_method, timeout_s)
+    parallel = init_process_group(engine, device, init_method, timeout_s)
     try:
         kv_config = KvCacheConfig(**parallel.broadcast(None))
         runner = ModelRunner(engine, device, rank=rank, parallel=parallel)
