@@ -10,9 +10,9 @@ from typing import Sequence, Union
 
 import torch
 
-from kiln.builder import Engine, build, build_all_ranks, is_engine_dir
+from kiln.builder import Engine, build, build_all_ranks, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
+from kiln.config import BuildConfig, KvCacheConfig, ParallelConfig, PretrainedConfig, SchedulerPolicy
 from kiln.distributed import launched_rank, rank_device, serve_steps
 from kiln.distributed.auto import choose_parallelism
 from kiln.models import PretrainedModel, model_class
@@ -74,8 +74,7 @@ def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: P
         tp, pp, why = choose_parallelism(model.config, parallel.world_size, limit)
         if not quiet:
             print(f"auto_parallel: {why}", file=sys.stderr)
-    mapping = Mapping(tp * pp, 0, tp, pp)
-    return build_all_ranks(lambda rank: model.shard(mapping.for_rank(rank)), mapping.world_size, build_config, quiet)
+    return build_sharded(model, build_config, tp, pp, quiet)
 
 
 class LLM:

@@ -220,3 +220,27 @@ def test_custom_all_reduce_needs_tensor_parallel_gpus(tiny_models, tmp_path):
         LLM(model, build_config=build, quiet=True)
     with pytest.raises(ValueError, match="use_custom_all_reduce, which needs CUDA GPUs"):
         LLM(model, build_config=build, quiet=True, parallel_config=ParallelConfig(tp_size=2, timeout_s=20))
+
+
+def test_build_shards_from_yaml_and_auto_parallel(tiny_models, tmp_path):
+    """The seed's YAML with checkpoint tp_size/pp_size, and kiln build --auto_parallel --workers, build every rank."""
+    import json
+
+    hf_dir, _ = tiny_models["llama"]
+    yaml_file = tmp_path / "build.yaml"
+    yaml_file.write_text(f"""
+model: {{model_dir: {hf_dir}, output_dir: {tmp_path / 'engine_yaml'}, dtype: float32}}
+checkpoint: {{tp_size: 2, pp_size: 1, use_parallel_embedding: true, workers: 2}}
+build: {{max_input_len: 64, max_seq_len: 128, max_batch_size: 4, gather_context_logits: true}}
+""")
+    assert main(["build", "--config", str(yaml_file)]) == 0
+    assert main(["build", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "engine_auto"), "--auto_parallel",
+                 "2", "--workers", "2", *BUILD]) == 0
+    reference = _reference(hf_dir)
+    for name in ("engine_yaml", "engine_auto"):
+        config = json.loads((tmp_path / name / "config.json").read_text())["pretrained_config"]
+        assert config["mapping"]["tp_size"] == 2 and (tmp_path / name / "rank1.safetensors").is_file()
+        with LLM(str(tmp_path / name), quiet=True) as llm:
+            _same(_outputs(llm), reference)
+    assert json.loads((tmp_path / "engine_yaml" / "config.json").read_text())["pretrained_config"][
+        "use_parallel_embedding"] is True

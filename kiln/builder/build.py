@@ -1,7 +1,9 @@
 """build(model, BuildConfig) → Engine: validate, fuse into the runtime layout, check the network."""
 from __future__ import annotations
 
-from kiln.config import BuildConfig
+import sys
+
+from kiln.config import BuildConfig, Mapping
 from kiln.models import PretrainedModel
 from kiln.utils.steps import StepLog
 
@@ -57,13 +59,42 @@ def describe_network(network, verbosity: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_all_ranks(load_rank, world_size: int, build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
-    """One engine holding every rank: `load_rank(rank)` gives each rank's model (e.g. from_checkpoint(dir, rank))."""
-    engine = None
-    for rank in range(world_size):
-        part = build(load_rank(rank), build_config, quiet=quiet or rank > 0)
-        if engine is None:
-            engine = part
-        else:
-            engine.weights.update(part.weights)
+def build_all_ranks(load_rank, world_size: int, build_config: BuildConfig | None = None, quiet: bool = False,
+                    workers: int = 1) -> Engine:
+    """One engine holding every rank: `load_rank(rank)` gives each rank's model (e.g. from_checkpoint(dir, rank));
+    `workers` ranks are loaded and built at a time (threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(rank: int) -> Engine:
+        return build(load_rank(rank), build_config, quiet=quiet or rank > 0)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, world_size))) as pool:
+        parts = list(pool.map(one, range(world_size)))
+    engine = parts[0]
+    for part in parts[1:]:
+        engine.weights.update(part.weights)
     return engine
+
+
+def build_sharded(model: PretrainedModel, build_config: BuildConfig, tp_size: int, pp_size: int,
+                  quiet: bool = False, workers: int = 1) -> Engine:
+    """Shard an unsharded model over tp_size × pp_size ranks and build each rank."""
+    mapping = Mapping(tp_size * pp_size, 0, tp_size, pp_size)
+    if mapping.world_size == 1:
+        return build(model, build_config, quiet)
+    return build_all_ranks(lambda rank: model.shard(mapping.for_rank(rank)), mapping.world_size, build_config, quiet,
+                           workers)
+
+
+def build_auto_parallel(model: PretrainedModel, build_config: BuildConfig, quiet: bool = False,
+                        workers: int = 1) -> Engine:
+    """build_config.auto_parallel_config.enabled: choose tp × pp for its GPU count (and memory), say why, build."""
+    from kiln.distributed.auto import choose_parallelism
+
+    auto = build_config.auto_parallel_config
+    if model.config.mapping.world_size > 1:
+        raise ValueError("auto_parallel needs an unsharded model or checkpoint; this one is already sharded")
+    tp, pp, why = choose_parallelism(model.config, auto.world_size, auto.max_memory_MB * 2**20)
+    if not quiet:
+        print(f"auto_parallel: {why}", file=sys.stderr)
+    return build_sharded(model, build_config, tp, pp, quiet, workers)

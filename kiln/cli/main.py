@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
-from kiln.config import BuildConfig, ConvertConfig, LoraConfig, PluginConfig
+from kiln.config import AutoParallelConfig, BuildConfig, ConvertConfig, LoraConfig, PluginConfig
 
 from .args import add_dataclass_args, parse_bool, pick
 
@@ -32,8 +33,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="with --model_dir: weight dtype")
     p.add_argument("--gather_all_token_logits", nargs="?", const=True, type=parse_bool, default=False,
                    help="same as --gather_context_logits --gather_generation_logits")
-    p.add_argument("--workers", type=int, default=1, help="parallel build workers (only 1 is supported)")
-    p.add_argument("--auto_parallel", type=int, default=1, help="world size for automatic parallelism (only 1)")
+    p.add_argument("--workers", type=int, default=1, help="ranks loaded and built at a time")
+    p.add_argument("--auto_parallel", type=int, default=1,
+                   help="split an unsharded model over this many GPUs, choosing tp and pp (it says why)")
     p.add_argument("--log_level", default="info", choices=("verbose", "info", "warning", "error", "internal_error"),
                    help="verbosity: warning and above print no build steps")
     p.set_defaults(build_fields=add_dataclass_args(p, BuildConfig), plugin_fields=add_dataclass_args(p, PluginConfig),
@@ -148,8 +150,6 @@ def parser() -> argparse.ArgumentParser:
 def cmd_convert(args) -> None:
     from kiln.models import LlamaForCausalLM
 
-    import dataclasses
-
     from kiln.config import Mapping
 
     convert = ConvertConfig(**pick(args, args.fields))
@@ -167,23 +167,24 @@ def cmd_convert(args) -> None:
 
 
 def build_config_from_args(args) -> BuildConfig:
-    for name, value, only in (("--workers", args.workers, 1), ("--auto_parallel", args.auto_parallel, 1)):
-        if value != only:
-            raise ValueError(f"{name}={value} is not supported by Kiln yet (multi-GPU is not implemented yet)")
     fields = pick(args, args.build_fields)
     if args.gather_all_token_logits:
         fields.update(gather_context_logits=True, gather_generation_logits=True)
-    return BuildConfig(**fields, plugin_config=PluginConfig(**pick(args, args.plugin_fields)),
-                       lora_config=LoraConfig(**pick(args, args.lora_fields)))
+    build_config = BuildConfig(**fields, plugin_config=PluginConfig(**pick(args, args.plugin_fields)),
+                               lora_config=LoraConfig(**pick(args, args.lora_fields)))
+    if args.auto_parallel > 1:
+        build_config.auto_parallel_config = AutoParallelConfig(enabled=True, tp_size=args.auto_parallel)
+    return build_config
 
 
 def cmd_build(args) -> None:
-    from kiln.builder import build
     from kiln.models import LlamaForCausalLM
 
     quiet = args.log_level in ("warning", "error", "internal_error")
+    tp = pp = 1
+    workers = args.workers
     if args.config:
-        model, build_config, output_dir = _from_build_file(args)
+        model, build_config, output_dir, (tp, pp, workers) = _from_build_file(args)
     else:
         build_config, output_dir = build_config_from_args(args), args.output_dir
         if args.checkpoint_dir:
@@ -193,18 +194,33 @@ def cmd_build(args) -> None:
             if world > 1:
                 from kiln.builder import build_all_ranks
 
+                if build_config.auto_parallel_config.enabled:
+                    raise ValueError(f"{args.checkpoint_dir} is already sharded ({world} ranks): drop --auto_parallel")
                 engine = build_all_ranks(lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank),
-                                         world, build_config, quiet)
+                                         world, build_config, quiet, workers)
                 _finish_build(engine, build_config, output_dir, quiet)
                 return
             model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir)
         else:
             model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
+    _finish_build(_build_model(model, build_config, tp, pp, quiet, workers), build_config, output_dir, quiet)
+
+
+def _build_model(model, build_config: BuildConfig, tp: int, pp: int, quiet: bool, workers: int):
+    """One engine, sharded when asked for (tp/pp, or auto_parallel)."""
+    from kiln.builder import build, build_auto_parallel, build_sharded
+
+    if build_config.auto_parallel_config.enabled:
+        if tp * pp > 1:
+            raise ValueError("give either the checkpoint's tp_size/pp_size or auto_parallel, not both")
+        return build_auto_parallel(model, build_config, quiet, workers)
+    if tp * pp > 1:
+        return build_sharded(model, build_config, tp, pp, quiet, workers)
     timing = (build_config.input_timing_cache, build_config.output_timing_cache)
     build_config.input_timing_cache = build_config.output_timing_cache = None   # handled below, on the GPU
     engine = build(model, build_config, quiet=quiet)
     build_config.input_timing_cache, build_config.output_timing_cache = timing
-    _finish_build(engine, build_config, output_dir, quiet)
+    return engine
 
 
 def _finish_build(engine, build_config, output_dir, quiet: bool) -> None:
@@ -246,11 +262,13 @@ def _from_build_file(args):
     if given:
         raise ValueError(f"--config takes every setting from the YAML file; remove {given[0]}")
     spec = load_build_file(args.config)
+    convert = spec.checkpoint
     if spec.model.model_dir:
-        model = LlamaForCausalLM.from_hugging_face(spec.model.model_dir, spec.model.dtype, convert_config=spec.checkpoint)
+        model = LlamaForCausalLM.from_hugging_face(spec.model.model_dir, spec.model.dtype, convert_config=convert)
     else:
-        model = LlamaForCausalLM.random(spec.checkpoint.random_model_config(spec.model.dtype))
-    return model, spec.build, spec.model.output_dir
+        model = LlamaForCausalLM.random(convert.random_model_config(spec.model.dtype))
+    model.config = dataclasses.replace(model.config, **convert.parallel_fields())
+    return model, spec.build, spec.model.output_dir, (convert.tp_size, convert.pp_size, convert.workers)
 
 
 def _sampling(args):

@@ -80,11 +80,11 @@ class AutoParallelConfig:
     """Automatic choice of tensor/pipeline parallelism."""
 
     enabled: bool = False
-    """Let the builder choose tp_size and pp_size."""
+    """Let the builder split an unsharded model over tp_size × pp_size GPUs as it sees fit (it says why)."""
     tp_size: int = 1
-    """Tensor parallelism to consider."""
+    """With enabled: tp_size × pp_size is the number of GPUs the builder splits the model over."""
     pp_size: int = 1
-    """Pipeline parallelism to consider."""
+    """With enabled: see tp_size."""
     max_memory_MB: int = 80000
     """GPU memory per device available to the model."""
     max_dram_memory_MB: int = 30000
@@ -97,7 +97,16 @@ class AutoParallelConfig:
     """Print the reasoning of the search."""
 
     def __post_init__(self):
-        reject_unsupported(self, ["enabled", "tp_size", "pp_size"], "multi-GPU is not implemented yet")
+        require_positive("AutoParallelConfig", tp_size=self.tp_size, pp_size=self.pp_size,
+                         max_memory_MB=self.max_memory_MB)
+        require(self.enabled or self.world_size == 1,
+                "AutoParallelConfig: tp_size/pp_size count the GPUs for enabled: true; set enabled or leave them 1")
+        reject_unsupported(self, ["max_dram_memory_MB", "compile_max_memory_MB", "compile_max_dram_memory_MB"],
+                           "Kiln's builder sizes itself; only max_memory_MB limits the choice")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 @dataclass
