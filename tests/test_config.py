@@ -64,8 +64,8 @@ def test_other_validations():
     with pytest.raises(ValueError, match="int8_kv_cache and fp8_kv_cache exclude each other"):
         ConvertConfig(int8_kv_cache=True, fp8_kv_cache=True)
     assert ConvertConfig(use_fp8=True, fp8_kv_cache=True).quant_config().quant_algo == "FP8"
-    with pytest.raises(ValueError, match="load_by_shard=True is not supported by Kiln yet"):
-        ConvertConfig(load_by_shard=True)
+    with pytest.raises(ValueError, match="load_by_shard cannot quantize"):
+        ConvertConfig(load_by_shard=True, use_weight_only=True)
     with pytest.raises(ValueError, match="free_gpu_memory_fraction=1.5"):
         KvCacheConfig(free_gpu_memory_fraction=1.5)
     base = dict(architecture="LlamaForCausalLM", dtype="float32", vocab_size=10, hidden_size=8, num_hidden_layers=1,

@@ -244,3 +244,32 @@ build: {{max_input_len: 64, max_seq_len: 128, max_batch_size: 4, gather_context_
             _same(_outputs(llm), reference)
     assert json.loads((tmp_path / "engine_yaml" / "config.json").read_text())["pretrained_config"][
         "use_parallel_embedding"] is True
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("llama", ["--tp_size", "2", "--pp_size", "2", "--use_parallel_embedding"]),
+    ("mixtral", ["--tp_size", "2", "--moe_tp_mode", "1", "--pp_size", "2"]),
+])
+def test_load_by_shard_writes_the_same_ranks(tiny_models, tmp_path, monkeypatch, name, flags):
+    """Each rank read on its own, a tensor at a time, gives the files of whole-model sharding; a pipeline stage
+    never reads another stage's layers."""
+    from safetensors.torch import load_file
+
+    from kiln.checkpoint import hf
+
+    hf_dir, _ = tiny_models[name]
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "whole"), *flags]) == 0
+    read = []
+    original = hf.iter_file_tensors
+    monkeypatch.setattr(hf, "iter_file_tensors", lambda path, wanted=None: (
+        (read.append(n) or (n, t)) for n, t in original(path, wanted)))
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "streamed"),
+                 "--load_by_shard", "--workers", "2", *flags]) == 0
+    for rank in range(4):
+        whole = load_file(tmp_path / "whole" / f"rank{rank}.safetensors")
+        streamed = load_file(tmp_path / "streamed" / f"rank{rank}.safetensors")
+        assert whole.keys() == streamed.keys() and all(torch.equal(whole[k], streamed[k]) for k in whole)
+    layer0 = [n for n in read if ".layers.0." in n]
+    assert len(layer0) == 2 * len(set(layer0))                   # read by the 2 ranks of stage 0 only
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "q"), "--load_by_shard",
+                 "--tp_size", "2", "--use_weight_only"]) == 2

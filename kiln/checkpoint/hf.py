@@ -1,6 +1,7 @@
 """Hugging Face model directories → PretrainedConfig and tensors in the Kiln checkpoint layout."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -120,15 +121,18 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no model weights (*.safetensors or *.bin) in {str(model_dir)!r}")
 
 
-def iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of one weights file; a truncated or corrupt file is a ValueError naming it."""
+def iter_file_tensors(path: Path, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one weights file (only names `wanted(name)` accepts, the others are never read);
+    a truncated or corrupt file is a ValueError naming it."""
+    wanted = wanted or (lambda name: True)
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if wanted(name):
+                        yield name, f.get_tensor(name)
         except SafetensorError as err:
             raise ValueError(f"{path}: corrupt or truncated safetensors file ({err})") from None
     else:
@@ -136,7 +140,7 @@ def iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # torch raises several types for a damaged zip/pickle
             raise ValueError(f"{path}: corrupt or truncated PyTorch weights file ({err})") from None
-        yield from state.items()
+        yield from ((name, tensor) for name, tensor in state.items() if wanted(name))
 
 
 def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
@@ -147,8 +151,34 @@ def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=No
                               config)
 
 
-def convert_hf_tensors(tensors, config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """(HF name, tensor, source) triples → tensors in the Kiln layout, cast to config.dtype."""
+def read_hf_rank_weights(model_dir: str | Path, config: PretrainedConfig, mapping, progress=None):
+    """One rank's share of an HF directory, read a tensor at a time (load_by_shard): tensors of other pipeline
+    stages are never read, and each tensor is cut to this rank's part as soon as it is converted, so host memory
+    holds this rank's weights plus one tensor (one layer's experts for MoE)."""
+    from .sharding import local_dims, shard_weights
+
+    dims = local_dims(dataclasses.replace(config, mapping=mapping))
+    layer = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+    keep_embedding = dims.first_stage or (config.tie_word_embeddings and dims.last_stage)
+
+    def wanted(name: str) -> bool:
+        if m := layer.match(name):
+            return int(m[1]) in dims.layers
+        if "embed_tokens" in name:
+            return keep_embedding
+        return dims.last_stage or not name.endswith(("lm_head.weight", "norm.weight"))
+
+    def cut(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        return shard_weights(config, {name: tensor}, mapping)[1].get(name)
+
+    files = weight_files(model_dir)
+    files = progress(files, "Loading weights") if progress else files
+    return convert_hf_tensors(((n, t, p) for p in files for n, t in iter_file_tensors(p, wanted)), config, cut)
+
+
+def convert_hf_tensors(tensors, config: PretrainedConfig, cut=None) -> dict[str, torch.Tensor]:
+    """(HF name, tensor, source) triples → tensors in the Kiln layout, cast to config.dtype; `cut(name, tensor)`,
+    when given, replaces each finished tensor by the part to keep (None: drop it)."""
     dtype = _DTYPES[config.dtype]
     weights: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -162,18 +192,32 @@ def convert_hf_tensors(tensors, config: PretrainedConfig) -> dict[str, torch.Ten
             packed.setdefault(_rename(base + ".weight", hf_name, path)[:-len(".weight")], {})[suffix] = tensor
             continue
         if m := _EXPERT.fullmatch(name):
-            experts.setdefault((int(m[1]), _EXPERT_NAMES[m[3]]), {})[int(m[2])] = tensor.to(dtype)
+            key = (int(m[1]), _EXPERT_NAMES[m[3]])
+            experts.setdefault(key, {})[int(m[2])] = tensor.to(dtype)
+            if len(experts[key]) == config.moe_num_experts:        # the layer's experts are complete: stack them
+                per_expert = experts.pop(key)
+                _keep(weights, f"layers.{key[0]}.moe.{key[1]}", torch.stack([per_expert[e] for e in sorted(per_expert)]),
+                      cut)
         elif m := _FUSED_EXPERTS.fullmatch(name):
-            weights.update(_split_fused_experts(int(m[1]), m[2], tensor.to(dtype)))
+            for kiln_name, part in _split_fused_experts(int(m[1]), m[2], tensor.to(dtype)).items():
+                _keep(weights, kiln_name, part, cut)
         else:
-            weights[_rename(name, hf_name, path)] = tensor.to(dtype)
+            _keep(weights, _rename(name, hf_name, path), tensor.to(dtype), cut)
     for (layer, kind), per_expert in experts.items():
-        weights[f"layers.{layer}.moe.{kind}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+        _keep(weights, f"layers.{layer}.moe.{kind}", torch.stack([per_expert[e] for e in sorted(per_expert)]), cut)
     for base, layer in packed.items():
-        weights.update({f"{base}.{k}": v for k, v in convert_layer(layer, config.quantization).items()})
+        for k, v in convert_layer(layer, config.quantization).items():
+            _keep(weights, f"{base}.{k}", v, cut)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return weights
+
+
+def _keep(weights: dict, name: str, tensor: torch.Tensor, cut) -> None:
+    if cut is not None:
+        tensor = cut(name, tensor)
+    if tensor is not None:
+        weights[name] = tensor
 
 
 def _rename(name: str, hf_name: str, path: Path) -> str:

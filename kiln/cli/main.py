@@ -153,17 +153,41 @@ def cmd_convert(args) -> None:
     from kiln.config import Mapping
 
     convert = ConvertConfig(**pick(args, args.fields))
+    mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
+    if convert.load_by_shard and mapping.world_size > 1 and args.model_dir:
+        _convert_by_shard(args.model_dir, args.dtype, convert, mapping, args.output_dir)
+        print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s), read by shard)")
+        return
     if args.model_dir:
         model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, convert_config=convert)
     else:
         model = LlamaForCausalLM.random(convert.random_model_config(args.dtype), seed=args.seed)
-    if convert.use_embedding_sharing and not model.config.tie_word_embeddings:
-        raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
+    _check_embedding_sharing(convert, model.config)
     model.config = dataclasses.replace(model.config, **convert.parallel_fields())
-    mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
     model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only, mapping=mapping,
                           workers=convert.workers)
     print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s))")
+
+
+def _check_embedding_sharing(convert: ConvertConfig, config) -> None:
+    if convert.use_embedding_sharing and not config.tie_word_embeddings:
+        raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
+
+
+def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mapping, output_dir: str) -> None:
+    """Each rank read on its own from the HF directory (load_by_shard), `convert.workers` ranks at a time."""
+    from kiln.checkpoint import save_checkpoint
+    from kiln.models import LlamaForCausalLM
+
+    def rank_model(rank: int):
+        return LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping=mapping.for_rank(rank),
+                                                  convert_config=convert, quiet=rank > 0)
+
+    first = rank_model(0)
+    _check_embedding_sharing(convert, first.config)
+    ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
+    save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files, config_only=convert.save_config_only,
+                    workers=convert.workers)
 
 
 def build_config_from_args(args) -> BuildConfig:

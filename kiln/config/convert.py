@@ -91,7 +91,8 @@ class ConvertConfig:
     disable_weight_only_quant_plugin: bool = False
     """Use the non-plugin weight-only path."""
     load_by_shard: bool = False
-    """Stream a sharded HF checkpoint one shard at a time."""
+    """With tp_size/pp_size: read each rank's share of the HF checkpoint a tensor at a time, so host memory holds
+    one rank's weights instead of the whole model (not with quantization, which calibrates the whole model)."""
     load_model_on_cpu: bool = True
     """Convert on the host (False, converting on the GPU, is not supported)."""
     use_parallel_embedding: bool = False
@@ -109,11 +110,12 @@ class ConvertConfig:
     def __post_init__(self):
         require_positive("ConvertConfig", tp_size=self.tp_size, pp_size=self.pp_size, workers=self.workers,
                          group_size=self.group_size)
-        reject_unsupported(self, ["load_by_shard"], "Kiln reads the whole model before sharding it")
         reject_unsupported(self, ["ammo_quant_ckpt_path", "dataset_cache_dir"],
                            "Kiln calibrates on its own text; import quantized models as AWQ/GPTQ HF checkpoints")
         reject_unsupported(self, ["disable_weight_only_quant_plugin"], "Kiln has one weight-only kernel path")
         require_positive("ConvertConfig", calib_size=self.calib_size)
+        if self.load_by_shard and self.quant_config().enabled:
+            raise ValueError("ConvertConfig: load_by_shard cannot quantize (calibration needs the whole model)")
         self.quant_config()                       # validates the combination
 
     def quant_config(self) -> QuantConfig:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint import (check_weights, checkpoint_shapes, load_checkpoint, read_source_config,
+from kiln.checkpoint import (check_weights, checkpoint_shapes, is_hf_dir, load_checkpoint, read_source_config,
                              read_source_weights, save_checkpoint)
 from kiln.checkpoint.hf import config_from_hf_dict, convert_hf_tensors
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
@@ -34,18 +34,39 @@ class PretrainedModel:
         """Load an HF model directory (safetensors or .bin, sharded or not), a GGUF file (dequantised), or an
         in-memory transformers model (its tensors are used as they are, on their device); then quantize it when
         `quant_config` (or `convert_config`'s quantization flags) asks for it, calibrating on calib_size
-        sequences of Kiln's calibration text."""
+        sequences of Kiln's calibration text. With a `mapping` of several ranks only that rank's share of an HF
+        directory is read, a tensor at a time (the load_by_shard path: host memory stays at one rank's weights)."""
         mapping = mapping or Mapping()
-        if mapping.world_size > 1:
-            raise ValueError(f"tensor/pipeline parallelism (tp_size={mapping.tp_size}, pp_size={mapping.pp_size}) "
-                             "is not supported by Kiln yet")
         if convert_config is not None and quant_config is None:
             quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
+        if mapping.world_size > 1:
+            if quant_config is not None and quant_config.enabled:
+                raise ValueError("quantizing needs the whole model (calibration): convert without a mapping or "
+                                 "load_by_shard, or quantize first and shard the result")
+            return cls._load_rank(model_dir, dtype, mapping, convert_config, quiet)
         model = cls._load_hugging_face(model_dir, dtype, convert_config, quiet)
         if quant_config is not None and quant_config.enabled:
             from kiln.quantization import quantize_model
             model = quantize_model(model, quant_config, calib_size, quiet)
         return model
+
+    @classmethod
+    def _load_rank(cls, model_dir, dtype: str, mapping: Mapping, convert_config: ConvertConfig | None, quiet: bool):
+        """Only `mapping.rank`'s share of an HF directory, read a tensor at a time (load_by_shard)."""
+        import dataclasses
+
+        from kiln.checkpoint.hf import read_hf_rank_weights
+        from kiln.tokenizer import read_tokenizer_files
+
+        if hasattr(model_dir, "state_dict") or not (Path(model_dir).is_dir() and is_hf_dir(Path(model_dir))):
+            raise ValueError(f"loading one rank's share (load_by_shard) needs a Hugging Face directory, got {model_dir!r}")
+        config = read_source_config(model_dir, dtype)
+        if convert_config is not None:
+            convert_config.check_against(config, str(model_dir))
+            config = dataclasses.replace(config, **convert_config.parallel_fields())
+        weights = read_hf_rank_weights(model_dir, config, mapping, lambda it, desc: progress(it, desc, quiet=quiet))
+        return cls(dataclasses.replace(config, mapping=mapping), weights, read_tokenizer_files(Path(model_dir)),
+                   source=f"{model_dir} (rank {mapping.rank})")
 
     @classmethod
     def _load_hugging_face(cls, model_dir, dtype: str, convert_config: ConvertConfig | None, quiet: bool):
