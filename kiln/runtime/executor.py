@@ -42,7 +42,10 @@ class GenerationResult:
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            except RuntimeError:                   # that caller's event loop has closed: nobody waits there now
+                pass
 
     # --- caller side --------------------------------------------------------------------------------------
     @property

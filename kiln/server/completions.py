@@ -5,6 +5,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .body import parse_request
+from .errors import invalid
 from .generation import Generation
 from .logprobs import completion_logprobs
 from .protocol import UNSUPPORTED_COMPLETION, CompletionRequest
@@ -19,6 +20,9 @@ async def create_completion(request: Request, server) -> JSONResponse | EventStr
     req = await parse_request(request, CompletionRequest, server.config.max_body_bytes, UNSUPPORTED_COMPLETION)
     server.check_model(req.model)
     server.note_prompt(request, req.prompt, req.user)
+    if len(req.prompt) > server.llm.build_config.max_batch_size:
+        raise invalid(f"{len(req.prompt)} prompts in one request: at most the engine's max_batch_size="
+                      f"{server.llm.build_config.max_batch_size}", "prompt")
     sampling = sampling_config(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs)
     generation = Generation(server.llm, req.prompt, sampling, bool(req.stream), server.admission, server.metrics)
     reply = Reply(request, server.config.model_name, "cmpl")
