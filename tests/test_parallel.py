@@ -146,14 +146,12 @@ def test_torchrun_runs_the_same_engine(tiny_models, tmp_path):
     import subprocess
     import sys
 
-    from kiln.distributed import free_port
-
     hf_dir, _ = tiny_models["llama"]
     engine_dir = _cli_engine(hf_dir, tmp_path, "--tp_size", "2")
     script = tmp_path / "generate.py"
     script.write_text(LAUNCHED_SCRIPT.format(prompts=PROMPTS))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), str(script), engine_dir],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), engine_dir],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _launched_tokens(done.stdout) == [o.token_ids for o in _reference(hf_dir)]
