@@ -271,3 +271,37 @@ def test_load_by_shard_writes_the_same_ranks(tiny_models, tmp_path, monkeypatch,
     assert len(layer0) == 2 * len(set(layer0))                   # read by the 2 ranks of stage 0 only
     assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "q"), "--load_by_shard",
                  "--tp_size", "2", "--use_weight_only"]) == 2
+
+
+@pytest.mark.parametrize("algo, kv, tolerance", [
+    ("W8A16", None, 1e-5), ("W4A16_AWQ", "INT8", 1e-5), ("W4A16", None, 1e-5),
+    ("W8A8_SQ_PER_CHANNEL_PER_TOKEN", None, 3e-2), ("FP8", "FP8", 1e-5),
+])
+def test_quantized_models_shard(tiny_models, algo, kv, tolerance):
+    """Sharded quantized weights compute what the unsharded ones do (per-token activation scales are per rank's
+    input slice, hence the looser bound there)."""
+    from kiln.config import QuantConfig
+
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32),
+                                               calib_size=2, quiet=True)
+    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128, gather_context_logits=True)
+    with LLM(model, build_config=build, quiet=True) as llm:
+        reference = _outputs(llm)
+    with LLM(model, build_config=build, quiet=True, parallel_config=ParallelConfig(tp_size=2)) as llm:
+        outputs = _outputs(llm)
+    for out, ref in zip(outputs, reference):
+        error = ((out.context_logits - ref.context_logits).norm() / ref.context_logits.norm()).item()
+        assert error < tolerance, (algo, error)
+        if tolerance < 1e-4:
+            assert out.token_ids == ref.token_ids
+
+
+def test_int4_groups_may_not_straddle_ranks(tiny_models):
+    from kiln.config import QuantConfig
+
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig("W4A16_AWQ", group_size=64),
+                                               calib_size=2, quiet=True)
+    with pytest.raises(ValueError, match=r"attention output inputs per rank \(32\) are not a multiple of 64"):
+        model.shard(Mapping(2, 0, 2, 1))

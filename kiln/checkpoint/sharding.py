@@ -6,6 +6,9 @@ tp of them and otherwise replicated (rank r keeps KV head r // (tp / kv_heads));
 rows (padded to a multiple of tp, logits all-gathered); the embedding is replicated, or split by vocabulary rows
 (embedding_sharding_dim 0) or hidden columns (1) with use_parallel_embedding. Mixtral experts are divided among
 ranks (moe_tp_mode 0, expert parallel) or each split by its intermediate size (1, tensor parallel).
+Quantized layers split the same way: per-output-channel scales follow their rows; row-parallel layers split packed
+int4 columns and their groups' scales/zeros (groups may not straddle ranks) and SmoothQuant factors by input
+channel; static activation scales are whole on every rank.
 Pipeline parallelism (pp stages): consecutive layers per stage; the first stage holds the embedding, the last the
 final norm and the LM head.
 """
@@ -52,10 +55,23 @@ def check_parallel(config: PretrainedConfig) -> None:
         problems.append(f"moe_num_experts={config.moe_num_experts} is not divisible by tp_size={tp} (expert parallel)")
     if config.use_parallel_embedding and config.embedding_sharding_dim == 1 and config.hidden_size % tp:
         problems.append(f"hidden_size={config.hidden_size} is not divisible by tp_size={tp} (embedding_sharding_dim 1)")
+    problems += _quantized_problems(config)
     if m.pp_size > config.num_hidden_layers:
         problems.append(f"pp_size={m.pp_size} exceeds num_hidden_layers={config.num_hidden_layers}")
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems))
+
+
+def _quantized_problems(config: PretrainedConfig) -> list[str]:
+    """Row-parallel layers split their inputs: int4 packs two inputs per byte, and groups must not straddle ranks."""
+    quant, tp = config.quantization, config.mapping.tp_size
+    if tp == 1 or not (quant.quant_algo or "").startswith("W4A16"):
+        return []
+    unit = quant.group_size if quant.quant_algo in ("W4A16_GPTQ", "W4A16_AWQ") else 2
+    inputs = {"attention output inputs": config.num_attention_heads * config.head_dim // tp,
+              "MLP down-projection inputs": config.intermediate_size // tp}
+    return [f"{what} per rank ({n}) are not a multiple of {unit} ({quant.quant_algo} with tp_size={tp})"
+            for what, n in inputs.items() if n % unit]
 
 
 def local_dims(config: PretrainedConfig) -> LocalDims:
@@ -76,13 +92,13 @@ def shard_weights(full: PretrainedConfig, weights: dict[str, torch.Tensor], mapp
     """(config of `mapping.rank`, that rank's tensors) from the tensors of an unsharded (tp = pp = 1) model."""
     config = dataclasses.replace(full, mapping=mapping)
     check_parallel(config)
-    if full.quantization.quant_algo is not None and mapping.tp_size > 1:
-        raise ValueError("tensor parallelism of quantized weights is not supported yet")
     dims, tp, r = local_dims(config), mapping.tp_size, mapping.tp_rank
     hd, kv = full.head_dim, full.num_key_value_heads
-    rows = lambda t, n: t.narrow(0, r * n, n)                                  # noqa: E731
-    cols = lambda t, n: t.narrow(1, r * n, n)                                  # noqa: E731
     kv_first = r * dims.kv_heads if kv >= tp else r // (tp // kv)
+    columns = {"q_proj": (r * dims.heads * hd, dims.heads * hd), "k_proj": (kv_first * hd, dims.kv_heads * hd),
+               "v_proj": (kv_first * hd, dims.kv_heads * hd), "gate_proj": (r * dims.intermediate, dims.intermediate),
+               "up_proj": (r * dims.intermediate, dims.intermediate)}
+    row_inputs = ("o_proj", "down_proj")
     out = {}
     for name, t in weights.items():
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
@@ -94,28 +110,41 @@ def shard_weights(full: PretrainedConfig, weights: dict[str, torch.Tensor], mapp
             continue
         if name in ("norm.weight", "lm_head.weight") and not dims.last_stage:
             continue
-        if name == "lm_head.weight":
-            out[name] = rows(_pad_rows(t, dims.vocab_padded), dims.vocab_padded // tp)
-        elif ".attn.q_proj." in name:
-            out[name] = rows(t, dims.heads * hd)
-        elif ".attn.k_proj." in name or ".attn.v_proj." in name:
-            out[name] = t.narrow(0, kv_first * hd, dims.kv_heads * hd)
-        elif name.endswith("attn.o_proj.weight"):
-            out[name] = cols(t, dims.heads * hd)
-        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            out[name] = rows(t, dims.intermediate)
-        elif name.endswith("mlp.down_proj.weight"):
-            out[name] = cols(t, dims.intermediate)
+        module, tensor = _module_and_tensor(name)
+        if module == "lm_head" and tensor != "input_scale":
+            out[name] = _pad_rows(t, dims.vocab_padded).narrow(0, r * dims.vocab_padded // tp, dims.vocab_padded // tp)
+        elif module in columns and tensor != "input_scale":
+            out[name] = t.narrow(0, *columns[module])
+        elif module in row_inputs:
+            out[name] = _shard_row_parallel(t, tensor, tp, r)
         elif name.endswith(("moe.gate_proj", "moe.up_proj", "moe.down_proj")):
             t = t[dims.experts.start:dims.experts.stop]
             if full.moe_tp_mode == 1:
                 t = t.narrow(1 if not name.endswith("down_proj") else 2, r * dims.intermediate, dims.intermediate)
             out[name] = t
-        elif name.endswith(("o_proj.bias", "down_proj.bias")):
-            out[name] = t if r == 0 else torch.zeros_like(t)                   # added once: the sum is all-reduced
-        else:                                                                # norms, router
+        else:                                                    # norms, router, static activation scales
             out[name] = t
     return config, {k: v.contiguous() for k, v in out.items()}
+
+
+def _module_and_tensor(name: str) -> tuple[str, str]:
+    """layers.3.attn.q_proj.weight_scale → ("q_proj", "weight_scale"); lm_head.weight → ("lm_head", "weight")."""
+    parts = name.split(".")
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+
+
+def _shard_row_parallel(t: torch.Tensor, tensor: str, tp: int, r: int) -> torch.Tensor:
+    """A row-parallel (o_proj, down_proj) tensor: this rank's input columns (two per byte for packed int4, and
+    their groups' scales); per-output-channel scales and the static input scale stay whole."""
+    if tensor == "weight" or (tensor in ("weight_scale", "weight_zero") and t.dim() == 2 and t.shape[1] > 1):
+        per = t.shape[1] // tp
+        return t.narrow(1, r * per, per)
+    if tensor == "smoother":                      # one factor per input channel
+        per = t.shape[0] // tp
+        return t.narrow(0, r * per, per)
+    if tensor == "bias":
+        return t if r == 0 else torch.zeros_like(t)       # added once: the sum is all-reduced
+    return t
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
