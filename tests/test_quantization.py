@@ -212,3 +212,19 @@ def test_import_prequantized_checkpoints(tiny_models, tmp_path, method):
     with torch.no_grad():
         ref = hf_model(torch.tensor([list(range(5, 60))])).logits[0]
     assert ((out.context_logits - ref).norm() / ref.norm()).item() < 0.2
+
+
+
+def test_gpu_kernels_under_the_interpreter():
+    """The Triton kernels for quantized layers (tests/test_quant_interpreted.py) on the CPU, in a fresh process:
+    TRITON_INTERPRET must be set before Triton is first imported."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(Path(__file__).with_name("test_quant_interpreted.py"))],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

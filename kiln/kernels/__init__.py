@@ -21,6 +21,11 @@ class ReferenceOps:
     quant_linear = staticmethod(quant.quant_linear)
 
     @staticmethod
+    def pack_quant(algo: str, params: dict):
+        """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout."""
+        return None
+
+    @staticmethod
     def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
                        kv_scale=None):
         """Rotate q, k of the fused projection (T, (H + 2KH) D), write k, v to the cache; return q (T, H, D)."""
@@ -63,6 +68,9 @@ class TritonOps(ReferenceOps):
 
     def quant_linear(self, x, algo, params, bias=None):
         return self._k.quant_linear(x, algo, params, bias)
+
+    def pack_quant(self, algo: str, params: dict):
+        return self._k.pack_quant(algo, params)
 
 
 def select_ops(device: torch.device | str, context_fmha: bool = True):

@@ -264,24 +264,83 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 
 # --- matrix products on quantized weights ----------------------------------------------------------------------
+# The engine stores int4 weights as bytes (low nibble = even column) and int8 weights row-major (kernels/quant.py).
+# At load the GPU re-packs them (interleave_weight) so that each 16-byte block of a row is four int32 words whose
+# j-th values are four consecutive columns: word i, value j holds column 4j + i of the block (a block spans 32
+# columns of int4, 16 of int8). The decode GEMV then multiplies value j of four adjacent words by one contiguous
+# slice of x, with 16-byte weight loads and no gathers.
+INTERLEAVED = "interleaved"
+
+
+def _block_columns(bits: int) -> int:
+    return 4 * 32 // bits
+
+
+def interleave_weight(weight: torch.Tensor, bits: int, inverse: bool = False) -> torch.Tensor:
+    """Engine layout → interleaved layout of an int4 (uint8 (N, K/2)) or int8 ((N, K)) matrix; `inverse` undoes it.
+    K must be a multiple of the block (32 int4 / 16 int8 columns)."""
+    from .quant import pack_int4, unpack_int4
+
+    values = unpack_int4(weight) if bits == 4 else weight
+    n, k = values.shape
+    per_word = 32 // bits
+    shape = (n, k // _block_columns(bits), 4, per_word) if inverse else (n, k // _block_columns(bits), per_word, 4)
+    values = values.reshape(shape).transpose(2, 3).reshape(n, k)
+    return pack_int4(values) if bits == 4 else values.contiguous()
+
+
+def pack_quant(algo: str, params: dict) -> tuple[str, dict] | None:
+    """The GPU's own layout of a quantized layer's parameters, made once at load: (layout name, replaced tensors),
+    or None where the engine layout is used as it is."""
+    if algo != "W8A16" and not algo.startswith("W4A16"):
+        return None
+    bits = 8 if algo == "W8A16" else 4
+    weight = params["weight"]
+    if (weight.shape[1] * 8 // bits) % _block_columns(bits):
+        return None                        # the tiled kernel reads the engine layout
+    return INTERLEAVED, {"weight": interleave_weight(weight, bits)}
+
+
+@triton.jit
+def _column_offset(k, BITS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(byte within the row, bit shift) of column k."""
+    if BITS == 8:
+        if INTERLEAVED:
+            byte = (k // 16) * 16 + (k % 4) * 4 + (k % 16) // 4
+        else:
+            byte = k
+        shift = k * 0
+    elif INTERLEAVED:
+        byte = (k // 32) * 16 + (k % 4) * 4 + (k % 32) // 8
+        shift = ((k // 4) % 2) * 4
+    else:
+        byte = k // 2
+        shift = (k % 2) * 4
+    return byte, shift
+
+
 @triton.jit
 def _weight_only_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, GROUPS,
                                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                               INTERLEAVED: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out (M, N) = x (M, K) @ dequant(w)^T, dequantizing int8 or packed int4 weights tile by tile."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    row_bytes = K * BITS // 8
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                     other=0.0)
+        offset, shift = _column_offset(rk, BITS, INTERLEAVED)
+        raw = tl.load(w_ptr + rn[:, None].to(tl.int64) * row_bytes + offset[None, :],
+                      mask=n_ok[:, None] & (rk[None, :] < K), other=0)
         if BITS == 8:
-            q = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+            q = raw.to(tl.float32)
         else:
-            packed = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rk[None, :] // 2, mask=n_ok[:, None], other=0)
-            q = ((packed >> ((rk[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+            q = ((raw >> shift[None, :].to(tl.uint8)) & 0xF).to(tl.float32)
         group = k0 // GROUP
         s = tl.load(scale_ptr + rn * GROUPS + group, mask=n_ok, other=0.0)[:, None]
         if HAS_ZERO:
@@ -294,7 +353,7 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N,
 
 
 def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       bits: int) -> torch.Tensor:
+                       bits: int, interleaved: bool = False) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     from .quant import int4_group_size
@@ -307,25 +366,252 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     _weight_only_matmul_kernel[grid](x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, m, n, k,
-                                     groups, BITS=bits, HAS_ZERO=zero is not None, GROUP=group, BLOCK_M=block_m,
-                                     BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+                                     groups, BITS=bits, HAS_ZERO=zero is not None, GROUP=group,
+                                     INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+                                     num_warps=4, num_stages=3)
     return out
 
 
+@triton.jit
+def _unpack(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of every word, unsigned (int8 words arrive with each byte's sign flipped: q + 128), as the float
+    v·2^(POS-149): its bits masked in place at bit POS form a subnormal float, which the FMA multiplies exactly
+    and at full rate, unlike an int→float conversion (an eighth of the rate). Values that sit too high are first
+    shifted down, one shift for the three (int4) or two (int8) top values. Also returns 2^(149-POS-64), the factor
+    for x's column: every product comes out as v·x·2^-64. (This needs subnormals kept: Triton emits float32 FMAs
+    without .ftz; the GEMV tests would fail if they were flushed.)"""
+    if BITS == 4:
+        if j < 5:
+            SH: tl.constexpr = 0
+        else:
+            SH: tl.constexpr = 12
+        POS: tl.constexpr = 4 * j - SH
+    else:
+        if j < 2:
+            SH: tl.constexpr = 0
+        else:
+            SH: tl.constexpr = 16
+        POS: tl.constexpr = 8 * j - SH
+    if SH > 0:
+        words = words >> SH
+    f = (words & (((1 << BITS) - 1) << POS)).to(tl.float32, bitcast=True)
+    return f, 2.0 ** (85 - POS)
+
+
+@triton.jit
+def _row_products(f, x_factor, x_ptr, cols, ok, p, x_sum):
+    """One value of every word times x's matching columns into p (Σ v·x·2^-64); x summed for the zero point.
+    cols is (1, W) like a row of the words, so that x arrives in their register layout, loaded once for all rows."""
+    x = tl.load(x_ptr + cols, mask=ok, other=None if ok is None else 0.0).to(tl.float32)
+    return p + f * (x * x_factor), x_sum + x
+
+
+@triton.jit
+def _add_blocks(acc, p, x_sum, scale, zero, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    """Per 16-byte block (four words, one thread's): Σ (v - zero)·x·scale = scale·2^64·(Σp - zero·2^-64·Σx);
+    `scale` and `zero` (per row and block) come multiplied and divided by 2^64."""
+    p_block = tl.sum(tl.reshape(p, [BLOCK_N, BLOCKS, 4]), axis=2)
+    x_block = tl.sum(tl.reshape(x_sum, [1, BLOCKS, 4]), axis=2)
+    return acc + scale * (p_block - zero * x_block)
+
+
+@triton.jit
+def _load_words(w_rows, kw, n_ok, ROW_WORDS, EVEN: tl.constexpr):
+    """(BLOCK_N, W) words kw of the rows (none past a row's end)."""
+    if EVEN:
+        return tl.load(w_rows + kw[None, :])
+    return tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & (kw < ROW_WORDS)[None, :], other=0)
+
+
+@triton.jit
+def _store_row(out_ptr, acc, n, n_ok, row_scale):
+    tl.store(out_ptr + n, (tl.sum(acc, axis=1) * row_scale).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_WORDS, GROUPS,
+                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
+                             PREFETCH: tl.constexpr):
+    """out (ROWS ≤ 4, N) = x @ dequant(w)^T on interleaved words (w viewed as int32, ROW_WORDS per row). Each program
+    streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
+    holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
+    converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
+    row; EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math."""
+    VALS: tl.constexpr = 32 // BITS
+    COLS: tl.constexpr = 4 * VALS
+    W: tl.constexpr = 4 * BLOCKS
+    UNIT: tl.constexpr = 2.0 ** 64                            # _unpack's products are v·x·2^-64
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * ROW_WORDS
+    num_blocks = K // COLS
+    acc0 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    kw0 = tl.arange(0, W)
+    words = _load_words(w_rows, kw0, n_ok, ROW_WORDS, EVEN)
+    for b0 in range(0, num_blocks, BLOCKS):
+        kw = 4 * b0 + kw0
+        if PREFETCH:                                             # the next blocks' loads fly during this math
+            following = _load_words(w_rows, kw + W, n_ok, ROW_WORDS, False)
+        cols = ((kw // 4) * COLS + kw % 4)[None, :]              # column of each word's value 0
+        x_ok = None if EVEN else (kw < ROW_WORDS)[None, :]
+        if BITS == 8:
+            words = words ^ -0x7F7F7F80                         # 0x80808080: q + 128 in every byte
+        p0 = tl.zeros([BLOCK_N, W], tl.float32)
+        p1 = tl.zeros([BLOCK_N, W], tl.float32)
+        p2 = tl.zeros([BLOCK_N, W], tl.float32)
+        p3 = tl.zeros([BLOCK_N, W], tl.float32)
+        x0 = tl.zeros([1, W], tl.float32)
+        x1 = tl.zeros([1, W], tl.float32)
+        x2 = tl.zeros([1, W], tl.float32)
+        x3 = tl.zeros([1, W], tl.float32)
+        for j in tl.static_range(VALS):
+            f, x_factor = _unpack(words, j, BITS)
+            at = cols + 4 * j
+            p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, p0, x0)
+            if ROWS > 1:
+                p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, p1, x1)
+            if ROWS > 2:
+                p2, x2 = _row_products(f, x_factor, x_ptr + 2 * K, at, x_ok, p2, x2)
+            if ROWS > 3:
+                p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, p3, x3)
+        if BITS == 8:                                            # the row's scale comes at the end
+            scale = 1.0
+            zero = 128.0 / UNIT
+        else:
+            blk = b0 + tl.arange(0, BLOCKS)
+            if GROUP == 0:
+                at = n[:, None] * GROUPS + 0 * blk[None, :]
+            else:
+                at = n[:, None] * GROUPS + ((COLS * blk) // GROUP)[None, :]
+            ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
+            scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
+            if HAS_ZERO:
+                zero = tl.load(zero_ptr + at, mask=ok, other=None if EVEN else 0.0) / UNIT
+            else:
+                zero = 8.0 / UNIT
+        acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
+        if ROWS > 1:
+            acc1 = _add_blocks(acc1, p1, x1, scale, zero, BLOCK_N, BLOCKS)
+        if ROWS > 2:
+            acc2 = _add_blocks(acc2, p2, x2, scale, zero, BLOCK_N, BLOCKS)
+        if ROWS > 3:
+            acc3 = _add_blocks(acc3, p3, x3, scale, zero, BLOCK_N, BLOCKS)
+        if PREFETCH:
+            words = following
+        else:
+            words = _load_words(w_rows, kw + W, n_ok, ROW_WORDS, False)
+    if BITS == 8:
+        row_scale = UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
+    else:
+        row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    _store_row(out_ptr, acc0, n, n_ok, row_scale)
+    if ROWS > 1:
+        _store_row(out_ptr + N, acc1, n, n_ok, row_scale)
+    if ROWS > 2:
+        _store_row(out_ptr + 2 * N, acc2, n, n_ok, row_scale)
+    if ROWS > 3:
+        _store_row(out_ptr + 3 * N, acc3, n, n_ok, row_scale)
+
+
+GEMV_MAX_ROWS = 4
+GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 128, True), (4, 128, True)]
+# (BLOCK_N, BLOCKS, PREFETCH) measured by the GPU suite
+
+
+# (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row on an H200 for the Llama-3.1-8B shapes
+# (benchmarks/gpu_suite.py --phases quant_kernels, docs/quantization.md); other shapes use the rule below.
+GEMV_MEASURED = {(6144, 4096, 4): (8, 64, True), (4096, 4096, 4): (4, 64, True), (28672, 4096, 4): (8, 64, True),
+                 (4096, 14336, 4): (4, 64, True), (6144, 4096, 8): (4, 64, True), (4096, 4096, 8): (4, 128, True),
+                 (28672, 4096, 8): (8, 128, True), (4096, 14336, 8): (4, 128, True)}
+
+
+def gemv_config(n: int, k: int, rows: int, bits: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, BLOCKS, PREFETCH) of the decode GEMV; it runs BLOCKS / 32 warps. More rows of x take more registers
+    per weight row (two rows and BLOCK_N 8 spill), hence BLOCK_N 4."""
+    blocks = 64 if k // _block_columns(bits) >= 64 else 32
+    if rows > 1:
+        return 4, blocks, True
+    return GEMV_MEASURED.get((n, k, bits), (8 if n >= 6144 else 4, blocks, True))
+
+
+def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     bits: int, config: tuple[int, int, bool] | None = None) -> torch.Tensor:
+    """x (at most GEMV_MAX_ROWS rows: decoding) @ dequant(w)^T for interleaved weights (interleave_weight),
+    reading each weight byte once."""
+    from .quant import int4_group_size
+
+    m, k = x.shape
+    n = weight.shape[0]
+    scale2d = scale.reshape(n, -1)
+    groups = scale2d.shape[1]
+    block_n, blocks, prefetch = config or gemv_config(n, k, m, bits)
+    even = n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x.contiguous(), weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, n, k,
+        k * bits // 32, groups, BITS=bits, HAS_ZERO=zero is not None,
+        GROUP=0 if groups == 1 else int4_group_size(k, groups), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
+        PREFETCH=prefetch, num_warps=blocks // 32)
+    return out
+
+
+# --- FP8 activations -------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, smoother_ptr, static_ptr, q_ptr, scale_ptr, K,
+                         HAS_SMOOTHER: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: (x / smoother) / scale → e4m3, scale = the row's largest magnitude / 448 (or the static scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    x = tl.load(x_ptr + row * K + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SMOOTHER:
+        x = tl.math.div_rn(x, tl.load(smoother_ptr + cols, mask=ok, other=1.0))
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), 448.0)
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)          # rounded division, as torch's
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_fp8_rows(x: torch.Tensor, smoother: torch.Tensor | None = None,
+                      static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel for quant.quantize_activations_fp8(x / smoother, static_scale): e4m3 rows and their (M, 1)
+    float32 scales (the static scale repeated per row)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_fp8_kernel[(m,)](x.contiguous(), x if smoother is None else smoother,
+                               x if static_scale is None else static_scale, q, scale, k,
+                               HAS_SMOOTHER=smoother is not None, STATIC=static_scale is not None, BLOCK=block,
+                               num_warps=min(16, max(4, block // 1024)))
+    return q, scale
+
+
 def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
-    """Quantized linear layers on the GPU: Triton for weight-only int8/int4, torch._scaled_mm for FP8,
-    torch._int_mm for W8A8 (the reference where a product's shape is below those kernels' minimums)."""
+    """Quantized linear layers on the GPU: Triton for weight-only int8/int4, FP8 activations quantized by one Triton
+    kernel into torch._scaled_mm, torch._int_mm for W8A8 (the reference where a product's shape is below those
+    kernels' minimums)."""
     from . import quant
 
     if algo == "W8A16" or algo.startswith("W4A16"):
-        product = weight_only_gemv if x.shape[0] <= GEMV_MAX_ROWS else weight_only_matmul
-        out = product(x, params["weight"], params["weight_scale"], params.get("weight_zero"), 8 if algo == "W8A16" else 4)
+        bits = 8 if algo == "W8A16" else 4
+        interleaved = params.get("layout") == INTERLEAVED
+        if interleaved and x.shape[0] <= GEMV_MAX_ROWS:
+            out = weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
+        else:
+            out = weight_only_matmul(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits,
+                                     interleaved)
     elif algo.startswith("FP8"):
-        xs = x.float() / params["smoother"] if "smoother" in params else x
-        qx, sx = quant.quantize_activations_fp8(xs, params.get("input_scale"))
-        sx = sx.expand(x.shape[0], 1).contiguous() if sx.dim() < 2 or sx.shape[0] != x.shape[0] else sx
-        out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx.float(),
-                               scale_b=params["weight_scale"].float()[None, :], out_dtype=x.dtype)
+        qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
+        out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
+                               out_dtype=x.dtype)
     elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
         xs = x.float() / params["smoother"] if "smoother" in params else x.float()
         static = params.get("input_scale")
@@ -338,76 +624,3 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     else:
         return quant.quant_linear(x, algo, params, bias)
     return out if bias is None else out + bias
-
-
-def _tiles_within_a_group(configs, named_args, **kwargs):
-    """A tile of K may not straddle two quantization groups."""
-    group = kwargs.get("GROUP", named_args.get("GROUP"))
-    return [c for c in configs if c.kwargs["BLOCK_K"] <= group] or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
-
-
-@triton.autotune(configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
-                          for bn, bk, w in ((16, 256, 4), (32, 128, 4), (64, 128, 8), (16, 128, 2), (8, 256, 2),
-                                            (16, 64, 2), (32, 32, 2))],
-                 key=["N", "K", "M_PAD", "BITS", "GROUP"], prune_configs_by={"early_config_prune": _tiles_within_a_group})
-@triton.jit
-def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, GROUPS,
-                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A few rows of x against int8 or packed int4 weights: each program streams BLOCK_N weight rows once,
-    summing per group and scaling once per group (int4 takes even and odd columns from the two nibbles)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    rows = tl.arange(0, M_PAD)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP
-        s = tl.load(scale_ptr + n * GROUPS + g, mask=n_ok, other=0.0)
-        if BITS == 8:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            q = tl.load(w_ptr + n[:, None].to(tl.int64) * K + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K),
-                        other=0).to(tl.float32)
-            for m in tl.static_range(M_PAD):
-                x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0).to(tl.float32)
-                part = tl.sum(q * x[None, :], axis=1) * s
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
-        else:
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + n[:, None].to(tl.int64) * (K // 2) + half[None, :],
-                             mask=n_ok[:, None] & (half[None, :] < K // 2), other=0)
-            low = (packed & 0xF).to(tl.float32)
-            high = (packed >> 4).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(zero_ptr + n * GROUPS + g, mask=n_ok, other=0.0)
-            else:
-                z = tl.full([BLOCK_N], 8.0, tl.float32)
-            for m in tl.static_range(M_PAD):
-                xe = tl.load(x_ptr + m * K + 2 * half, mask=2 * half < K, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + m * K + 2 * half + 1, mask=2 * half + 1 < K, other=0.0).to(tl.float32)
-                dot = tl.sum(low * xe[None, :] + high * xo[None, :], axis=1)
-                part = s * (dot - z * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0)))
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
-
-
-GEMV_MAX_ROWS = 4
-
-
-def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                     bits: int) -> torch.Tensor:
-    """The weight-only product for at most GEMV_MAX_ROWS rows (decoding), reading each weight byte once."""
-    from .quant import int4_group_size
-
-    m, k = x.shape
-    n = weight.shape[0]
-    scale2d = scale.reshape(n, -1)
-    groups = scale2d.shape[1]
-    group = int4_group_size(k, groups)
-    m_pad = triton.next_power_of_2(m)
-    if m_pad != m:
-        x = torch.cat([x, x.new_zeros(m_pad - m, k)])
-    out = torch.empty((m_pad, n), dtype=x.dtype, device=x.device)
-    _weight_only_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, n, k, groups, BITS=bits,
-        HAS_ZERO=zero is not None, GROUP=group, M_PAD=m_pad)
-    return out[:m]

@@ -51,6 +51,7 @@ class QuantLinear(nn.Module):
     """A linear layer with quantized weights (formats in kiln.kernels.quant)."""
 
     ops = ReferenceOps
+    layout: str | None = None    # the kernels' own weight layout (set at load), or None: the engine's
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
         super().__init__()
@@ -62,8 +63,18 @@ class QuantLinear(nn.Module):
                 self.register_buffer(name, torch.empty(shape, dtype=dtypes.get(name, torch.float32)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def quant_params(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_buffers(recurse=False))
+    def quant_params(self) -> dict:
+        params = dict(self.named_buffers(recurse=False))
+        return params if self.layout is None else {**params, "layout": self.layout}
+
+    def use_kernel_layout(self) -> None:
+        """Re-pack the weights once for the chosen kernels, where they have a layout of their own; the engine-layout
+        tensors are replaced, not kept beside."""
+        packed = self.ops.pack_quant(self.algo, self.quant_params())
+        if packed is not None:
+            self.layout, tensors = packed
+            for name, tensor in tensors.items():
+                setattr(self, name, tensor)
 
     def forward(self, x):
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
@@ -195,6 +206,8 @@ class DecoderForCausalLM(nn.Module):
                 module.ops = net.ops
             if hasattr(type(module), "comm"):
                 module.comm = net.comm
+            if isinstance(module, QuantLinear):
+                module.use_kernel_layout()
         return net.eval()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The GPU's kernels for quantized layers run by Triton's interpreter on the CPU, against the reference formats and
+products of kiln.kernels.quant (tests/test_gpu.py runs them compiled). test_quantization.py runs this file in its
+own process with TRITON_INTERPRET=1, which must be set before Triton is imported; collected otherwise, it skips."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kiln.kernels import quant
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs in its own process with TRITON_INTERPRET=1 (test_quantization.py)", allow_module_level=True)
+
+
+def _params(algo: str, w: torch.Tensor, group: int = 32) -> dict:
+    if algo == "W8A16":
+        q, s = quant.quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    packed, s, z = quant.quantize_int4(w, group if algo != "W4A16" else None, algo == "W4A16_AWQ")
+    return {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    from kiln.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
+def test_interleaved_layout_is_a_permutation_within_blocks(interpreted, algo):
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(1))
+    params = _params(algo, w)
+    bits = 8 if algo == "W8A16" else 4
+    layout, packed = interpreted.pack_quant(algo, params)
+    assert layout == interpreted.INTERLEAVED and packed["weight"].shape == params["weight"].shape
+    assert torch.equal(interpreted.interleave_weight(packed["weight"], bits, inverse=True), params["weight"])
+    values = quant.unpack_int4(packed["weight"]) if bits == 4 else packed["weight"]
+    word = values.reshape(6, -1, 4, 32 // bits)[0, 0]                     # block 0 of row 0: [word i][value j]
+    original = quant.unpack_int4(params["weight"]) if bits == 4 else params["weight"]
+    assert torch.equal(word, original[0, :word.numel()].reshape(32 // bits, 4).t())   # word i, value j = column 4j + i
+    assert interpreted.pack_quant(algo, _params(algo, torch.randn(6, 40))) is None   # 40 columns: no whole blocks
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
+@pytest.mark.parametrize("n, k, config", [(16, 256, (8, 32, True)), (20, 576, (8, 32, False)), (8, 2048, (4, 64, True))])
+def test_interpreted_gemv_matches_the_reference(interpreted, algo, n, k, config):
+    """float32 x, so the comparison sees the kernel's arithmetic (exact products, float32 sums), not bf16 rounding;
+    576 columns: a short last group of 64 and an uneven count of blocks; 20 rows: a partial program."""
+    g = torch.Generator().manual_seed(n + k)
+    params = _params(algo, torch.randn(n, k, generator=g), group=128 if algo == "W4A16_AWQ" else 64)
+    bits = 8 if algo == "W8A16" else 4
+    weight = interpreted.pack_quant(algo, params)[1]["weight"]
+    for rows in (1, 2, 3, 4):
+        x = torch.rand(rows, k, generator=g) * 2 - 0.5                     # a mean away from 0, as activations have
+        ref = quant.quant_linear(x.double(), algo, {key: v.double() if v.is_floating_point() else v
+                                                    for key, v in params.items()}, None)
+        out = interpreted.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
+        assert _rel(out, ref) < 1e-5, (rows, _rel(out, ref))
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_interpreted_tiled_matmul_reads_both_layouts(interpreted, algo):
+    g = torch.Generator().manual_seed(3)
+    params = _params(algo, torch.randn(24, 128, generator=g))
+    x = torch.randn(5, 128, generator=g)
+    ref = quant.quant_linear(x, algo, params, None)
+    layout, packed = interpreted.pack_quant(algo, params)
+    for interleaved, p in ((False, params), (True, {**params, **packed, "layout": layout})):
+        assert _rel(interpreted.quant_linear(x, algo, p, None), ref) < 1e-5, interleaved
+
+
+def test_interpreted_fp8_activation_quantization(interpreted):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 300, generator=g) * 3
+    smoother = torch.rand(300, generator=g) + 0.5
+    for static in (None, (x / smoother).abs().max().reshape(1) / quant.FP8_MAX):
+        q, scale = interpreted.quantize_fp8_rows(x, smoother, static)
+        ref_q, ref_scale = quant.quantize_activations_fp8(x / smoother, static)
+        assert scale.shape == (6, 1) and torch.allclose(scale, ref_scale.expand(6, 1), rtol=1e-6)
+        # the interpreter's e4m3 cast can drop the carry when it rounds up to a power of two (the GPU's does not)
+        q, ref_q = q.float(), ref_q.float()
+        assert torch.all((q == ref_q) | ((torch.frexp(ref_q)[0].abs() == 0.5) & (q == ref_q / 2)))
