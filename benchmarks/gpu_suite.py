@@ -4,7 +4,8 @@
 
 Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughput (8B bf16, 128/128 and the
 long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
-profile (torch profiler over decode steps).
+quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone); --profile adds
+torch profiler tables.
 """
 from __future__ import annotations
 
@@ -241,25 +242,131 @@ def load(args):
         log(f"load_{attempt}_process", (proc.stdout.strip().splitlines() or [proc.stderr[-1500:]])[-1])
 
 
+QUANT_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _graph_seconds(launches, repeats: int = 5) -> float:
+    """GPU seconds per launch: the launches (each on its own weight copy, so that L2 holds none of them) captured
+    in one CUDA graph and replayed, as the engine's decode steps run."""
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (repeats * len(launches))
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, -(-(512 << 20) // nbytes))                    # ≥ 512 MB per graph: 8× the L2
+
+
+def _gemv_sweep(bits: int, zero: bool):
+    """Every GEMV configuration on the 8B shapes at one decode row: µs and TB/s of the bytes it must read."""
+    from kiln.kernels import triton_kernels as tk
+    best = {}
+    for name, (n, k) in QUANT_SHAPES.items():
+        groups = k // 128 if bits == 4 else 1
+        row_bytes = k * bits // 8 + groups * 4 * (2 if zero else 1)
+        copies = _copies(n * row_bytes)
+        weights = [torch.randint(-128, 127, (n, k * bits // 8), device="cuda", dtype=torch.int8).view(
+            torch.uint8 if bits == 4 else torch.int8) for _ in range(copies)]
+        scales = [torch.rand((n, groups), device="cuda") * 1e-2 for _ in range(copies)]
+        zeros = [torch.rand((n, groups), device="cuda") * 15 if zero else None for _ in range(copies)]
+        x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
+        dense = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+        bf16 = _graph_seconds([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+        del dense
+        times = {}
+        for config in tk.GEMV_SWEEP:
+            times[config] = _graph_seconds([lambda w=w, s=s, z=z: tk.weight_only_gemv(x, w, s, z, bits, config)
+                                            for w, s, z in zip(weights, scales, zeros)])
+        config = min(times, key=times.get)
+        best[n, k, bits] = config
+        tb = lambda sec: n * row_bytes / sec / 1e12  # noqa: E731
+        log(f"gemv_int{bits}{'_zero' if zero else ''}_{name}",
+            f"best {config}: {times[config] * 1e6:.1f}us {tb(times[config]):.2f}TB/s | cuBLAS bf16 {bf16 * 1e6:.1f}us "
+            f"{n * k * 2 / bf16 / 1e12:.2f}TB/s | x{bf16 / times[config]:.2f} | all " +
+            " ".join(f"{c[0]}/{c[1]}/{int(c[2])}:{t * 1e6:.1f}" for c, t in times.items()))
+        del weights, scales, zeros
+        torch.cuda.empty_cache()
+    return best
+
+
+def _fp8_gemms():
+    """FP8 products of the 8B shapes at throughput batches: fused activation quantization + torch._scaled_mm
+    (row-wise scales), against cuBLAS bf16."""
+    from kiln.kernels import triton_kernels as tk
+    for m in (512, 4096):
+        for name, (n, k) in QUANT_SHAPES.items():
+            x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+            w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16)
+            w8, ws = w.float().to(torch.float8_e4m3fn), torch.rand((1, n), device="cuda")
+            bf16 = _graph_seconds([lambda: torch.nn.functional.linear(x, w)] * 4)
+            quant = _graph_seconds([lambda: tk.quantize_fp8_rows(x)] * 4)
+            mm = {}
+            for fast in (False, True):
+                qx, sx = tk.quantize_fp8_rows(x)
+                mm[fast] = _graph_seconds([lambda f=fast: torch._scaled_mm(qx, w8.t(), scale_a=sx, scale_b=ws,
+                                                                            out_dtype=torch.bfloat16,
+                                                                            use_fast_accum=f)] * 4)
+            flops = lambda sec: 2 * m * n * k / sec / 1e12  # noqa: E731
+            log(f"fp8_m{m}_{name}", f"bf16 {bf16 * 1e6:.0f}us {flops(bf16):.0f}TF | quantize {quant * 1e6:.1f}us | "
+                                    f"scaled_mm {mm[False] * 1e6:.0f}us {flops(mm[False]):.0f}TF, fast_accum "
+                                    f"{mm[True] * 1e6:.0f}us {flops(mm[True]):.0f}TF")
+            del x, w, w8
+        torch.cuda.empty_cache()
+
+
 @phase
-def quant(args):
-    """Quantized 8B shapes: weight-only batch-1 decode against bf16, FP8 throughput at 128/128."""
+def quant_kernels(args):
+    """The decode GEMV per configuration on the 8B shapes; the engine then uses the best of each (quant_latency)."""
+    from kiln.kernels import triton_kernels as tk
+    best = {**_gemv_sweep(4, True), **_gemv_sweep(8, False)}
+    default = tk.gemv_config
+    tk.gemv_config = lambda n, k, rows, bits: best.get((n, k, bits), default(n, k, rows, bits)) if rows == 1 \
+        else default(n, k, rows, bits)
+    log("gemv_best_configs", {f"{n}x{k}_int{bits}": c for (n, k, bits), c in best.items()})
+
+
+@phase
+def quant_latency(args):
+    """Weight-only batch-1 decode of the 8B shape (3 prompts of 128 tokens, 128 new tokens, the first a warm-up)."""
     from kiln.config import QuantConfig
-    for algo in ("W8A16", "W4A16_AWQ"):
+    for algo in ("W4A16_AWQ", "W8A16"):
         build = bench.default_bench_build("latency", 128, 128, 1)
         engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=QuantConfig(quant_algo=algo))
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-            outputs, elapsed = [], 0.0
+            outputs = []
             for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
-                out, seconds = bench.run_requests(llm, [prompt], 128)
+                out, _ = bench.run_requests(llm, [prompt], 128)
                 if i:
                     outputs += out
             result = bench.summarize("latency", "llama-3.1-8b", algo, outputs, 1.0, 128, 128)
             log(f"quant_{algo}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
+            if args.profile:
+                _profile_decode(llm, f"latency_{algo}")
         del engine
         torch.cuda.empty_cache()
-    if args.quick:
-        return
+
+
+@phase
+def quant_fp8_kernels(args):
+    _fp8_gemms()
+
+
+@phase
+def quant_fp8_throughput(args):
+    """FP8 (per-channel weights, per-token activations) 128/128 throughput."""
+    from kiln.config import QuantConfig
     build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
@@ -267,6 +374,32 @@ def quant(args):
         bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
         log("quant_FP8_throughput_128_128_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
+        log("quant_FP8_throughput_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
+        if args.profile:
+            _profile_fp8_decode(llm)
+
+
+def quant(args):
+    """All quantized measurements (each its own phase, so that one failing leaves the others)."""
+    for step in (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput):
+        step(args)
+
+
+def _profile_fp8_decode(llm):
+    """GPU time by kernel over decode steps at the full batch."""
+    from torch.profiler import ProfilerActivity, profile
+    results = [llm.generate_async(p, SamplingConfig(max_new_tokens=48, min_tokens=48, end_id=-1))
+               for p in bench.random_prompts(512, 128, 128000, seed=7)]
+    while llm.stats()["running_requests"] < len(results) and not all(r.finished for r in results):
+        time.sleep(0.005)
+    time.sleep(0.05)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(0.2)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    with open(os.path.join(OUT, "profile_fp8_decode.txt"), "w") as f:
+        f.write(table)
+    print(table[:4000])
+    [r.result() for r in results]
 
 
 def main():

@@ -165,28 +165,106 @@ def test_cuda_graph_steps_equal_eager_steps():
     assert graphed == eager
 
 
+def _quantized(algo: str, w: torch.Tensor, group: int = 128) -> dict:
+    from kiln.kernels import quant
+
+    if algo == "W8A16" or algo.startswith("W8A8"):
+        q, s = quant.quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    if algo.startswith("W4A16"):
+        packed, s, z = quant.quantize_int4(w, None if algo == "W4A16" else group, algo == "W4A16_AWQ")
+        return {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
+    q, s = quant.quantize_fp8(w)
+    return {"weight": q, "weight_scale": s}
+
+
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL_PER_TOKEN",
                                   "FP8_PER_CHANNEL_PER_TOKEN"])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
 def test_quantized_matmul_kernels(algo, rows):
+    """quant_linear on the layout the engine loads (weight-only: interleaved, GEMV up to 4 rows, tiles above) and
+    on the engine layout itself; 576 columns: a short last group of 64."""
     from kiln.kernels import quant
     from kiln.kernels import triton_kernels as tk
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     w = torch.randn((1536, 576), generator=g, device=CUDA)
     x = torch.randn((rows, 576), generator=g, device=CUDA).bfloat16()
-    if algo == "W8A16" or algo.startswith("W8A8"):
-        q, s = quant.quantize_int8(w)
-        params = {"weight": q, "weight_scale": s}
-    elif algo.startswith("W4A16"):
-        packed, s, z = quant.quantize_int4(w, None if algo == "W4A16" else 128, algo == "W4A16_AWQ")
-        params = {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
-    else:
-        q, s = quant.quantize_fp8(w)
-        params = {"weight": q, "weight_scale": s}
-    out = tk.quant_linear(x, algo, params, None)
+    params = _quantized(algo, w)
     ref = quant.quant_linear(x.float(), algo, params, None)
-    assert rel_err(out, ref) < 2e-2
+    packed = tk.pack_quant(algo, params)
+    layouts = [params] + ([{**params, **packed[1], "layout": packed[0]}] if packed else [])
+    for p in layouts:
+        assert rel_err(tk.quant_linear(x, algo, p, None), ref) < 2e-2
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 14336), (256, 576)])
+def test_weight_only_gemv(algo, n, k):
+    """The decode GEMV against the float64 product on the same quantized weights, for 1-4 rows and for every
+    configuration the engine picks or the suite sweeps; uneven row counts and blocks included. Outputs are poisoned
+    first (every element must be written)."""
+    from kiln.kernels import quant
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05,
+                        group=64 if algo == "W4A16_GPTQ" else 128)
+    bits = 8 if algo == "W8A16" else 4
+    weight = tk.pack_quant(algo, params)[1]["weight"]
+    dequant = quant.dequantize_weight(algo, params).double()
+    configs = {None} | (set(tk.GEMV_SWEEP) if algo == "W4A16_AWQ" else set())
+    for rows in (1, 2, 3, 4):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        ref = x.double() @ dequant.t()
+        for config in configs:
+            if config is not None and rows > 1:
+                continue
+            torch.cuda.empty_cache()
+            out = tk.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
+            assert rel_err(out, ref) < 5e-3, (rows, config, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_activation_quantization_kernel(static):
+    from kiln.kernels import quant
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for rows, cols in ((1, 4096), (37, 14336), (512, 576)):
+        x = (torch.randn((rows, cols), generator=g, device=CUDA) * 3).bfloat16()
+        smoother = torch.rand(cols, generator=g, device=CUDA) + 0.5
+        scale = (x.float() / smoother).abs().max().reshape(1) / quant.FP8_MAX if static else None
+        for sm in (None, smoother):
+            q, s = tk.quantize_fp8_rows(x, sm, scale)
+            ref_q, ref_s = quant.quantize_activations_fp8(x.float() if sm is None else x.float() / sm, scale)
+            # torch divides by 448 on the GPU as a product with its reciprocal: scales may differ in the last bit,
+            # and an element on a rounding boundary by one e4m3 step
+            assert torch.allclose(s, ref_s.expand(rows, 1), rtol=2e-7, atol=0)
+            differ = q.float() != ref_q.float()
+            assert differ.float().mean() < 1e-3
+            assert ((q.float() - ref_q.float()).abs() <= ref_q.float().abs() / 8 + 2 ** -9)[differ].all()
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_quantized_model_matches_the_cpu_path(algo):
+    """A SmolLM2-shaped weight-only model in float32: CUDA-graph decode steps through the interleaved weights give
+    the CPU's greedy tokens. (FP8 runs in bf16 only on the GPU, where per-token e4m3 rounding amplifies bf16
+    differences across layers; its products are checked per kernel above.)"""
+    from kiln.benchmark import shape_config
+    from kiln.config import QuantConfig
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+
+    model = LlamaForCausalLM.random(shape_config("smollm2-135m", "float32"), seed=3, std=0.05)
+    model = quantize_model(model, QuantConfig(quant_algo=algo), calib_size=2, quiet=True)
+    build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
+    prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        with LLM(model, build_config=build, device=device, quiet=True) as llm:
+            tokens[device] = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=16, end_id=-1))]
+    assert tokens["cuda"] == tokens["cpu"]
 
 
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
