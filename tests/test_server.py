@@ -404,7 +404,14 @@ def test_health_and_metrics(base):
 def test_log_lines(base, caplog):
     with caplog.at_level(logging.INFO, logger="kiln.server"):
         response = post(base, "/v1/completions", {**GOOD, "prompt": "secret words", "user": "u-42"})
-    line = next(r.getMessage() for r in caplog.records if response.headers["x-request-id"] in r.getMessage())
+        deadline = time.time() + 10            # the line is written once the server has finished the response,
+        while time.time() < deadline:          # which may be just after the client has read it
+            lines = [r.getMessage() for r in caplog.records if response.headers["x-request-id"] in r.getMessage()]
+            if lines:
+                break
+            time.sleep(0.05)
+    assert lines, "no log line for the request"
+    line = lines[0]
     assert re.search(r"status=200 prompt_tokens=12 completion_tokens=2 latency_ms=[\d.]+ user='u-42'$", line), line
     assert "secret" not in line
 
