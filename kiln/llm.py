@@ -100,7 +100,8 @@ class LLM:
             tokenizer: overrides the tokenizer stored with the model.
             build_config: limits for the engine built here (not for an already built engine).
             kv_cache_config: size of the paged KV cache and prefix block reuse.
-            enable_trt_overlap: overlap CPU scheduling with the GPU's step (not supported yet).
+            enable_trt_overlap: schedule and launch the next step while the device still runs this one (greedy
+                requests; others run in order). Needs SchedulerPolicy.GUARANTEED_NO_EVICT and one rank.
             normalize_log_probs: returned log-probabilities are renormalised over the tokens top-k/top-p kept.
             enable_chunked_context: split prompts longer than the step's token budget over several steps.
             decoding_mode: restrict the decoding algorithms requests may use (None: any).
@@ -108,8 +109,9 @@ class LLM:
             parallel_config: tensor/pipeline parallelism for a model or unsharded checkpoint (an engine carries its
                 own); every rank beyond 0 runs in a worker process started here.
         """
-        if enable_trt_overlap:
-            raise ValueError("enable_trt_overlap=True is not supported by Kiln yet (it needs the GPU fast path)")
+        if enable_trt_overlap and scheduling_policy is not SchedulerPolicy.GUARANTEED_NO_EVICT:
+            raise ValueError("enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT (a preempted "
+                             "sequence cannot be recomputed while its next token is still on the device)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._workers = self._parallel = self._tmp_engine = None
         launched = launched_rank()
@@ -126,11 +128,13 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.engine.tokenizer_files)
         self.eos_ids = eos_token_ids(self.tokenizer, self.engine.tokenizer_files)
         self.decoding_mode = decoding_mode or DecodingMode.none
+        if enable_trt_overlap and self.engine.pretrained_config.mapping.world_size > 1:
+            raise ValueError("enable_trt_overlap=True is not supported with tensor/pipeline parallelism yet")
         if self.engine.pretrained_config.mapping.world_size > 1:
             self._start_ranks(model, kv_cache_config or KvCacheConfig(), parallel_config or ParallelConfig(),
                               launched is not None)
         self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
-                               normalize_log_probs, parallel=self._parallel)
+                               normalize_log_probs, parallel=self._parallel, overlap=enable_trt_overlap)
         if not quiet:
             print(self.core.memory_line, file=sys.stderr)
         failure = self._workers.failure if self._workers is not None else None

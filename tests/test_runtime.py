@@ -72,6 +72,35 @@ def test_batching_invariance(llama, reference, tokens_per_block, chunked, reuse)
             assert stats["tokens_per_step"] <= 64
 
 
+@pytest.mark.parametrize("chunked, reuse", [(False, False), (True, True)], ids=["whole", "chunked-reuse"])
+def test_overlapped_steps_change_nothing(llama, reference, chunked, reuse):
+    """enable_trt_overlap: step N+1 is scheduled and launched before step N's tokens are read; greedy outputs,
+    stop tokens, stop strings, streaming, sampling mixed in, aborts and the KV pool all end as without it."""
+    model, _ = llama
+    requests = _requests(24, seed=0)
+    with _llm(model, 16, chunked, reuse, enable_trt_overlap=True) as llm:
+        for staggered in (False, True):
+            assert _submit(llm, requests, staggered) == reference
+        mixed = [SamplingConfig(max_new_tokens=12, end_id=7), SamplingConfig(max_new_tokens=12, stop_token_ids=[3]),
+                 SamplingConfig(max_new_tokens=12, temperature=0.8, random_seed=2),
+                 SamplingConfig(max_new_tokens=12, n=2, temperature=0.8, random_seed=3),
+                 SamplingConfig(max_new_tokens=12, min_tokens=4, end_id=7)]
+        prompts = [prompt for prompt, _ in requests[:len(mixed)]]
+        overlapped = [r.result(timeout=300) for r in [llm.generate_async(p, c) for p, c in zip(prompts, mixed)]]
+        streamed = [out.token_ids_diff for out in llm.generate_async(prompts[0], mixed[0], streaming=True)]
+        aborted = llm.generate_async(prompts[1], SamplingConfig(max_new_tokens=200, end_id=-1))
+        aborted.abort()
+        assert aborted.result(timeout=60).outputs[0].finish_reason == "abort"
+        stats = llm.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["overlapped_steps"] > 0.5 * stats["steps"], stats
+    with _llm(model, 16, chunked, reuse) as llm:
+        plain = [r.result(timeout=300) for r in [llm.generate_async(p, c) for p, c in zip(prompts, mixed)]]
+    for a, b in zip(overlapped, plain):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+    assert [t for diff in streamed for t in diff] == plain[0].token_ids
+
+
 @pytest.mark.parametrize("policy", list(SchedulerPolicy))
 def test_small_pool_completes_every_request(llama, reference, policy):
     model, _ = llama
@@ -307,5 +336,5 @@ def test_decoding_mode_and_request_limits(llama):
                 kv_cache_config=KvCacheConfig(max_tokens=128)).generate([1, 2], SamplingConfig(max_new_tokens=100, n=4))
     with pytest.raises(ValueError, match="enable_chunked_context=True is needed"):
         LLM(model, build_config=BuildConfig(max_input_len=64, max_seq_len=128, max_num_tokens=32), quiet=True)
-    with pytest.raises(ValueError, match="enable_trt_overlap=True is not supported"):
-        LLM(model, enable_trt_overlap=True, quiet=True)
+    with pytest.raises(ValueError, match="enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT"):
+        LLM(model, enable_trt_overlap=True, scheduling_policy=SchedulerPolicy.MAX_UTILIZATION, quiet=True)

@@ -89,6 +89,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--max_batch_size", type=int, help="engine limit for --model builds (throughput default 512)")
     p.add_argument("--tp_size", type=int, default=1, help="with --model: tensor parallelism (one process per GPU)")
     p.add_argument("--pp_size", type=int, default=1, help="with --model: pipeline parallelism (one process per GPU)")
+    p.add_argument("--enable_trt_overlap", action="store_true",
+                   help="schedule and launch each step while the device runs the previous one")
     p.add_argument("--use_custom_all_reduce", action="store_true",
                    help="with --model and --tp_size: symmetric-memory all-reduce for small messages")
     p.add_argument("--device", default="cuda")
@@ -410,7 +412,8 @@ def cmd_bench(args) -> None:
                                      tp_size=args.tp_size, pp_size=args.pp_size)
         name, dtype = args.model, args.dtype
     hw = bench.Hardware.measure(device, getattr(torch, dtype))
-    with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json) as llm:
+    with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json,
+             enable_trt_overlap=args.enable_trt_overlap) as llm:
         vocab = engine.pretrained_config.vocab_size
         if args.mode == "latency":
             outputs, elapsed = [], 0.0

@@ -32,8 +32,10 @@ class CudaGraphs:
         self.max_batch, self.width = max_batch, max_blocks_per_seq
         size = 4 * max_batch + max_batch * max_blocks_per_seq
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
-        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=True)
-        self.host = self.host_buffer.numpy()
+        # Two host buffers, used in turn: with overlapped steps the host fills the next step's inputs while the
+        # device may not have copied the previous ones yet (it has copied the ones before, which the host waited on).
+        self.host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.turn = 0
         self.input_ids, self.positions, self.slots, self.seq_lens = self.device_buffer[:4 * max_batch].view(4, max_batch)
         self.block_tables = self.device_buffer[4 * max_batch:].view(max_batch, max_blocks_per_seq)
         self.slots.fill_(-1)
@@ -73,11 +75,14 @@ class CudaGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]], long: bool = False) -> torch.Tensor:
-        """Logits (n, vocab) of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys)."""
+            tables: list[list[int]], long: bool = False, fill=None) -> torch.Tensor:
+        """Logits (n, vocab) of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys);
+        `fill` = (rows, device tokens): input ids that are only on the device yet."""
         n, b = len(input_ids), self.max_batch
         size = next(s for s in self.sizes if s >= n)
-        host = self.host
+        self.turn ^= 1
+        host_buffer = self.host_buffers[self.turn]
+        host = host_buffer.numpy()
         host[0:n], host[b:b + n], host[2 * b:2 * b + n], host[3 * b:3 * b + n] = input_ids, positions, slots, seq_lens
         host[2 * b + n:2 * b + size] = -1                  # padded rows write nowhere and attend to nothing
         host[3 * b + n:3 * b + size] = 0
@@ -85,6 +90,8 @@ class CudaGraphs:
         for row, blocks in enumerate(tables):
             table[row, :len(blocks)] = blocks
         used = 4 * b + size * self.width
-        self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
+        self.device_buffer[:used].copy_(host_buffer[:used], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[size, long].replay()
         return self.logits[size, long][:n]

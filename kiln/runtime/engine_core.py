@@ -51,7 +51,9 @@ class EngineCore:
 
     def __init__(self, engine: Engine, device: torch.device, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
-                 enable_chunked_context: bool = False, normalize_log_probs: bool = False, parallel=None):
+                 enable_chunked_context: bool = False, normalize_log_probs: bool = False, parallel=None,
+                 overlap: bool = False):
+        """overlap: schedule and launch step N+1 before reading step N's greedy tokens (see step_overlapped)."""
         build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
         self.runner = ModelRunner(engine, device, normalize_log_probs, parallel=parallel)
         num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device, self.runner.kv_bytes_per_token)
@@ -63,15 +65,19 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block, kv_config.enable_block_reuse)
         self.scheduler = Scheduler(self.kv, build.max_batch_size, build.max_num_tokens, scheduler_policy,
                                    enable_chunked_context)
+        self.overlap, self.pending = overlap, None      # pending: a launched step whose tokens are not read yet
+        self.overlapped_steps = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.pending is not None
 
     def step(self) -> list[Request]:
         """One forward over the scheduled tokens; returns the requests that advanced (or finished)."""
+        if self.overlap:
+            return self.step_overlapped()
         out = self.scheduler.schedule()
         for request in out.preempted:
             self.runner.forget_logits(request)
@@ -84,6 +90,39 @@ class EngineCore:
         for request in finished:
             self.runner.release(request)
         return list({id(r): r for r, _, _ in out.scheduled}.values())
+
+    def step_overlapped(self) -> list[Request]:
+        """Schedule and launch step N+1 while step N's greedy tokens are still on the device (they feed N+1's
+        inputs there and reach the host in the background), then read step N's tokens. The host's work of
+        one step overlaps the device's work of the next; sequences that step N finished have their share of
+        step N+1 computed for nothing (and dropped). Steps with other sampling run as usual, in order."""
+        out = self.scheduler.schedule()
+        for request in out.preempted:
+            self.runner.forget_logits(request)
+            request.context_logit_chunks = []
+        launch = self.runner.launch(out, self.pending, defer=True) if out else None
+        advanced = self._read(self.pending) if self.pending is not None else []
+        self.pending = None
+        if launch is not None and launch.tokens is not None:
+            self.scheduler.advance(out, pending=True)
+            self.pending = launch
+            self.overlapped_steps += 1
+        elif launch is not None:
+            result, gathered = self.runner.finish(launch)
+            self._attach_logits(gathered)
+            self._release(self.scheduler.update(out, result))
+            advanced += [r for r, _, _ in out.scheduled]
+        return list({id(r): r for r in advanced}.values())
+
+    def _read(self, launch) -> list[Request]:
+        """Put a deferred step's tokens in place of its sequences' pending tokens."""
+        result, _ = self.runner.finish(launch)
+        self._release(self.scheduler.apply(launch.out, result, fill=True))
+        return [r for r, _, _ in launch.out.scheduled]
+
+    def _release(self, finished: list[Request]) -> None:
+        for request in finished:
+            self.runner.release(request)
 
     def _attach_logits(self, gathered: StepLogits) -> None:
         requests = {r.request_id: r for r in self.scheduler.running}
@@ -114,5 +153,5 @@ class EngineCore:
                 "prefix_cache_queried_tokens": kv.stats.queried_tokens, "steps": sched.stats.steps,
                 "scheduled_tokens": sched.stats.scheduled_tokens, "last_step_tokens": sched.stats.last_step_tokens,
                 "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
-                "preemptions": sched.stats.preemptions,
+                "preemptions": sched.stats.preemptions, "overlapped_steps": self.overlapped_steps,
                 "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}

@@ -170,7 +170,9 @@ class GenerationExecutor:
                     with torch.inference_mode():
                         advanced = self.core.step()
                     for request in advanced:
-                        self._process(self._states[request.request_id])
+                        state = self._states.get(request.request_id)
+                        if state is not None:              # None: aborted, or finished by an earlier step
+                            self._process(state)
             error = RuntimeError("the LLM was shut down before this request finished")
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             error = exc

@@ -13,7 +13,7 @@ from kiln.models import model_class
 
 from . import sampler
 from .beam_search import beams_to_keep
-from .request import Request, Sequence
+from .request import PENDING_TOKEN, Request, Sequence
 from kiln.distributed import Step, split_step
 
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
@@ -29,6 +29,32 @@ class StepLogits:
 
     context: dict[int, torch.Tensor] = field(default_factory=dict)      # request id → (chunk, V) on the CPU
     generation: dict[int, torch.Tensor] = field(default_factory=dict)   # request id → (V,) on the CPU
+
+
+class Launch:
+    """A step started on the device: what `finish` needs to produce its tokens."""
+
+    def __init__(self, out: SchedulerOutput, rows, done: list[Sequence], context, logits):
+        self.out, self.rows, self.done, self.context, self.logits = out, rows, done, context, logits
+        self.tokens = self.row_of = self.request_of = self._host = self._copied = None
+
+    def defer(self, tokens: torch.Tensor, row_of: dict[int, int]) -> None:
+        """Keep the greedy tokens on the device (the next step reads them there) and copy them to the host
+        in the background."""
+        self.tokens, self.row_of = tokens, row_of
+        self.request_of = {seq.seq_id: r for r, seq, _ in self.out.scheduled}
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = tokens
+
+    def host_tokens(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -128,8 +154,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[ModelStepOutput, StepLogits]:
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: "Launch | None" = None, defer: bool = False) -> "Launch":
+        """Start a step on the device. PENDING_TOKEN inputs are taken on the device from `previous`'s sampled
+        tokens. With `defer` (and only greedy, one-sequence requests finishing their tokens) the step's tokens
+        stay on the device and are copied to the host in the background: `finish` reads them later."""
         ids, positions, slots, starts, seq_lens, tables = self._prepare(out)
-        gathered = StepLogits()
         ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         context = self._context_rows(out, starts) if self.gather_context_logits else []
         step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
@@ -137,13 +169,43 @@ class ModelRunner:
                     [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
         if self.parallel is not None:
             self.parallel.broadcast_step(step)
-        logits = self.run_step(step)                                                  # (rows, V)
-        rows, done = (logits[:len(ends)] if ends else None), [out.scheduled[i][1] for i in ends]
-        offset = len(ends)
-        for request_id, context_rows in context:
-            gathered.context[request_id] = logits[offset:offset + len(context_rows)].cpu()
+        fill = self._pending_inputs(out, starts, previous)
+        logits = self.run_step(step, fill)                                            # (rows, V)
+        done = [out.scheduled[i][1] for i in ends]
+        launch = Launch(out, logits[:len(ends)] if ends else None, done, context, logits)
+        if defer and ends and self._deferrable(out, done):
+            launch.defer(launch.rows.argmax(dim=-1), {seq.seq_id: i for i, seq in enumerate(done)})
+        return launch
+
+    def finish(self, launch: "Launch") -> tuple[ModelStepOutput, StepLogits]:
+        """The step's sampled tokens on the host (sampling them now unless they were deferred)."""
+        out, gathered = launch.out, StepLogits()
+        if launch.tokens is not None:
+            result = ModelStepOutput()
+            for seq, token in zip(launch.done, launch.host_tokens()):
+                result.tokens[launch.request_of[seq.seq_id].request_id] = [SampledToken(0, token)]
+            return result, gathered
+        offset = len(launch.done)
+        for request_id, context_rows in launch.context:
+            gathered.context[request_id] = launch.logits[offset:offset + len(context_rows)].cpu()
             offset += len(context_rows)
-        return self._sample(out, rows, done, gathered), gathered
+        return self._sample(out, launch.rows, launch.done, gathered), gathered
+
+    def _deferrable(self, out: SchedulerOutput, done: list[Sequence]) -> bool:
+        row_of = {seq.seq_id: i for i, seq in enumerate(done)}
+        finishing = {id(r): r for r, seq, _ in out.scheduled if seq.seq_id in row_of}
+        return (self.parallel is None and not self.gather_generation_logits and not self.gather_context_logits
+                and all(self._simple(r, row_of) for r in finishing.values()))
+
+    def _pending_inputs(self, out: SchedulerOutput, starts: list[int], previous: "Launch | None"):
+        """(packed rows, device tokens) for the inputs that are still on the device, or None."""
+        rows = [(starts[i], previous.row_of[seq.seq_id]) for i, (_, seq, n) in enumerate(out.scheduled)
+                if n == 1 and seq.token_ids[seq.num_computed_tokens] == PENDING_TOKEN]
+        if not rows:
+            return None
+        if previous is None or previous.tokens is None:
+            raise RuntimeError("a step has pending input tokens but no deferred step to take them from")
+        return self._tensor([d for d, _ in rows]), previous.tokens[self._tensor([s for _, s in rows])]
 
     def _context_rows(self, out: SchedulerOutput, starts: list[int]) -> list[tuple[int, list[int]]]:
         """Packed rows whose logits a gather_context_logits engine returns: the prompt positions computed now."""
@@ -154,20 +216,23 @@ class ModelRunner:
                 context.append((request.request_id, list(range(starts[i], starts[i] + min(n, prompt_left)))))
         return context
 
-    def run_step(self, step: Step) -> torch.Tensor | None:
+    def run_step(self, step: Step, fill=None) -> torch.Tensor | None:
         """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32). Steps
-        where every sequence computes its one next token replay a CUDA graph when there is one."""
+        where every sequence computes its one next token replay a CUDA graph when there is one. `fill`:
+        (packed rows, device tokens) to put into the input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
                 and self.graphs.fits(n)):
             self._copy_blocks(step.block_copies)
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                   step.block_tables, long=step.max_seq_len > LONG_CONTEXT)
+                                   step.block_tables, long=step.max_seq_len > LONG_CONTEXT, fill=fill)
         if self.parallel is not None and self.config.mapping.pp_size > 1:
             return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)
-        hidden = self.net(self._tensor(step.input_ids), self._tensor(step.positions), self._metadata(step),
-                          self.kv_caches)
+        input_ids = self._tensor(step.input_ids)
+        if fill is not None:
+            input_ids[fill[0]] = fill[1]
+        hidden = self.net(input_ids, self._tensor(step.positions), self._metadata(step), self.kv_caches)
         return self._logits(hidden, step)
 
     def _metadata(self, step: Step) -> AttentionMetadata:

@@ -30,6 +30,9 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
+PENDING_TOKEN = -1   # stands for a token the device has sampled but the host has not read yet (overlap)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One line of tokens: the prompt plus what this sequence generated. Tokens [0, num_computed_tokens)
@@ -52,7 +55,9 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Generated tokens (without a token still being sampled on the device, see PENDING_TOKEN)."""
+        end = len(self.token_ids) - (self.token_ids[-1] == PENDING_TOKEN)
+        return self.token_ids[self.num_prompt_tokens:end]
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,7 +12,7 @@ from kiln.config.runtime import SchedulerPolicy
 
 from .beam_search import Candidate, beam_step
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus, Sequence, TokenLogprob
+from .request import PENDING_TOKEN, Request, RequestStatus, Sequence, TokenLogprob
 
 
 @dataclass
@@ -185,20 +185,36 @@ class Scheduler:
     # --- applying a step's results ------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: ModelStepOutput) -> list[Request]:
         """Advance the computed counters, append sampled tokens (forking where needed); return finished requests."""
+        self.advance(out)
+        return self.apply(out, result)
+
+    def advance(self, out: SchedulerOutput, pending: bool = False) -> None:
+        """The step's tokens are computed. With `pending`, each sequence that now needs its next token gets
+        PENDING_TOKEN in its place, so the next step can be scheduled before the host reads the sampled tokens
+        (apply(..., fill=True) puts them in)."""
         for _, seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+            if not seq.finished:
+                seq.num_computed_tokens += n
+                if pending and seq.num_computed_tokens == seq.num_tokens:
+                    seq.token_ids.append(PENDING_TOKEN)
         if self.kv.enable_reuse:
             for _, seq, _ in out.scheduled:
-                self.kv.register_full_blocks(seq)
+                if not seq.finished:
+                    self.kv.register_full_blocks(seq)
+
+    def apply(self, out: SchedulerOutput, result: ModelStepOutput, fill: bool = False) -> list[Request]:
+        """Append (or, with `fill`, put in place of PENDING_TOKEN) the sampled tokens; return finished requests."""
         finished, seen, now = [], set(), time.monotonic()
         for request, _, _ in out.scheduled:
             rid = request.request_id
-            if rid in seen:
+            if rid in seen or request.finished:          # finished meanwhile (an overlapped step, an abort)
                 continue
             seen.add(rid)
             tokens = result.tokens.get(rid)
             if tokens is not None:
-                if len(tokens) == 1 and len(request.seqs) == 1 and tokens[0].parent == 0 and tokens[0].sample_index is None:
+                if fill:
+                    self._fill(request.seqs[0], tokens[0])
+                elif len(tokens) == 1 and len(request.seqs) == 1 and tokens[0].parent == 0 and tokens[0].sample_index is None:
                     self._append(request.seqs[0], tokens[0])     # the common case, without forking
                 else:
                     self._continue(request, tokens)
@@ -217,6 +233,12 @@ class Scheduler:
             if request.finished:
                 finished.append(request)
         return finished
+
+    @staticmethod
+    def _fill(seq: Sequence, t: SampledToken) -> None:
+        if seq.token_ids[-1] != PENDING_TOKEN:
+            raise RuntimeError(f"sequence {seq.seq_id} has no pending token to fill")
+        seq.token_ids[-1] = t.token
 
     @staticmethod
     def _append(seq: Sequence, t: SampledToken, cumulative: float | None = None) -> None:
