@@ -137,6 +137,8 @@ class ModelRunner:
                 seq_lens.append(end)
                 tables.append(blocks)
                 continue
+            if seq.token_ids[end - 1] == PENDING_TOKEN:
+                raise RuntimeError(f"sequence {seq.seq_id}: a chunk of {n} tokens ends in a token still on the device")
             ids += seq.token_ids[begin:end]
             positions += range(begin, end)
             blocks = seq.block_ids

@@ -114,6 +114,8 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         seqs = request.seqs
+        if seqs and seqs[-1].token_ids[-1] == PENDING_TOKEN:      # overlapped steps: skip sequences whose last
+            seqs = [s for s in seqs if s.num_output_tokens < request.sampling.max_new_tokens]   # token is sampled
         if len(seqs) == 1 and budget > 0:             # the common case: one sequence decoding one token
             seq = seqs[0]
             computed = seq.num_computed_tokens
