@@ -84,7 +84,8 @@ class CudaGraphs:
         host_buffer = self.host_buffers[self.turn]
         host = host_buffer.numpy()
         host[0:n], host[b:b + n], host[2 * b:2 * b + n], host[3 * b:3 * b + n] = input_ids, positions, slots, seq_lens
-        host[2 * b + n:2 * b + size] = -1                  # padded rows write nowhere and attend to nothing
+        host[n:size] = 0                                   # padded rows: a real token id (a pending one is -1),
+        host[2 * b + n:2 * b + size] = -1                  # written nowhere, attending to nothing
         host[3 * b + n:3 * b + size] = 0
         table = host[4 * b:].reshape(b, self.width)
         for row, blocks in enumerate(tables):
