@@ -29,29 +29,47 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def quantize_int4(w: torch.Tensor, group_size: int | None, zero_point: bool = False):
+def quantize_int4(w: torch.Tensor, group_size: int | None, zero_point: bool = False, ratio=1.0):
     """4-bit weights per group of input columns (group_size None: one group per row; a last group may be
     shorter). Returns (packed uint8 (out, in/2), scale (out, groups), zero (out, groups) or None). Zero points
-    are kept as floats (w = q * scale + min exactly reproduces min/max grids such as GGUF's Q4_1)."""
+    are kept as floats (w = q * scale + min exactly reproduces min/max grids such as GGUF's Q4_1). `ratio`
+    (a number or (out, groups)) shrinks each group's range before the grid is laid: a clipping search's result."""
+    if w.shape[1] % 2:
+        raise ValueError(f"int4 quantization needs an even input size, got {w.shape[1]}")
+    group = group_size or w.shape[1]
+    scale, zero = int4_grid(w, group, zero_point, ratio)
+    return pack_int4(int4_levels(w, scale, zero)), scale, zero
+
+
+def int4_grid(w: torch.Tensor, group: int, zero_point: bool, ratio=1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, zero or None), each (out, groups), of the int4 grid spanning each group's range times `ratio`:
+    min..max onto levels 0..15 with a (float) zero point, or ±max onto -7..7 without one."""
     out_features, in_features = w.shape
-    if in_features % 2:
-        raise ValueError(f"int4 quantization needs an even input size, got {in_features}")
-    group = group_size or in_features
     groups = -(-in_features // group)
     g = _pad_columns(w.float(), groups * group).reshape(out_features, groups, group)
     real = _pad_columns(torch.ones_like(w, dtype=torch.bool), groups * group).reshape(g.shape)
-    if zero_point:
-        low = torch.where(real, g, torch.inf).amin(dim=2)
-        high = torch.where(real, g, -torch.inf).amax(dim=2)
-        scale = ((high - low) / 15.0).clamp_min(1e-8)
-        zero = -low / scale
-        q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    else:
-        scale = g.abs().amax(dim=2).clamp_min(1e-8) / 7.0
-        zero = None
+    if not zero_point:
+        return (g.abs().amax(dim=2) * ratio).clamp_min(1e-8) / 7.0, None
+    low = torch.where(real, g, torch.inf).amin(dim=2) * ratio
+    high = torch.where(real, g, -torch.inf).amax(dim=2) * ratio
+    scale = ((high - low) / 15.0).clamp_min(1e-8)
+    return scale, -low / scale
+
+
+def int4_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """(out, in) uint8 levels in [0, 15] of w on the grid (scale, zero) (one column of each per group)."""
+    g = _grouped(w.float(), scale.shape[1])
+    if zero is None:
         q = torch.round(g / scale[..., None]).clamp(-8, 7) + 8
-    q = q.reshape(out_features, groups * group)[:, :in_features]
-    return pack_int4(q.to(torch.uint8)), scale, zero
+    else:
+        q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return q.reshape(w.shape[0], -1)[:, :w.shape[1]].to(torch.uint8)
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(out, in) → (out, groups, group), the last group padded with zeros."""
+    group = int4_group_size(x.shape[1], groups)
+    return _pad_columns(x, groups * group).reshape(x.shape[0], groups, group)
 
 
 def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -77,12 +95,14 @@ def int4_group_size(in_features: int, groups: int) -> int:
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    q = unpack_int4(packed).float()
-    out_features, in_features = q.shape
-    group = int4_group_size(in_features, scale.shape[1])
-    column_group = torch.arange(in_features, device=q.device) // group            # group of each column
-    offset = zero[:, column_group] if zero is not None else 8.0
-    return (q - offset) * scale[:, column_group]
+    return int4_values(unpack_int4(packed), scale, zero)
+
+
+def int4_values(levels: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """The float matrix that (out, in) levels in [0, 15] stand for on the grid (scale, zero)."""
+    g = _grouped(levels.float(), scale.shape[1])
+    offset = zero[..., None] if zero is not None else 8.0
+    return ((g - offset) * scale[..., None]).reshape(levels.shape[0], -1)[:, :levels.shape[1]]
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
