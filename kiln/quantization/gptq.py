@@ -1,64 +1,71 @@
 """GPTQ: quantize a weight matrix column by column, pushing each column's rounding error onto the columns not
-yet quantized, weighted by the inverse Hessian of the layer's calibration inputs (H = Σ xᵀx). Same int4 layout
-as round-to-nearest (kiln.kernels.quant), so the runtime does not know the difference."""
+yet quantized, weighted by the inverse Hessian of the layer's calibration inputs (H = XᵀX).
+
+As AutoGPTQ with `desc_act=True, static_groups=True`: columns are visited in order of decreasing H diagonal
+(act order: the inputs that carry the most energy are rounded first, while there is the most freedom left to
+compensate), and every group's grid (scale, zero) is fixed before the pass from the weights themselves, so the
+levels keep the plain sequential group layout (kiln.kernels.quant) and the runtime does not know the difference.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
-from kiln.kernels.quant import pack_int4
+from kiln.kernels.quant import FP8, FP8_MAX, int4_group_size, int4_levels
+
+DAMP = 0.01      # fraction of H's mean diagonal added to it (AutoGPTQ's damp_percent)
+BLOCK = 128      # columns updated lazily together
 
 
-def _group_grid(w: torch.Tensor, zero_point: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero) of one group from its current values (rows, group)."""
-    if zero_point:
-        low, high = w.amin(dim=1), w.amax(dim=1)
-        scale = ((high - low) / 15.0).clamp_min(1e-8)
-        return scale, -low / scale
-    return w.abs().amax(dim=1).clamp_min(1e-8) / 7.0, None
-
-
-def _round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(levels in [0, 15], dequantized values) of one column."""
-    if zero is None:
-        q = torch.round(w / scale).clamp(-8, 7)
-        return q + 8, q * scale
-    q = torch.round(w / scale + zero).clamp(0, 15)
-    return q, (q - zero) * scale
+def inverse_hessian_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹; dead inputs (zero diagonal) get a unit diagonal."""
+    h = h.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], device=h.device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
 
 @torch.no_grad()
-def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int, zero_point: bool, block: int = 128,
-              damp: float = 0.01):
-    """(packed uint8 (out, in/2), scale (out, groups), zero or None) of w (out, in) quantized with GPTQ."""
-    w = w.float().clone()
+def gptq(w: torch.Tensor, hessian: torch.Tensor, round_column: Callable[[torch.Tensor, int], torch.Tensor],
+         act_order: bool = True, damp: float = DAMP) -> torch.Tensor:
+    """w (out, in) quantized: each column c's values rounded by round_column(values, c) (→ their quantized float
+    values), in act order, the rounding error spread over the columns still to come."""
     out_features, in_features = w.shape
-    h = hessian.float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damp * torch.diag(h).mean() * torch.eye(in_features, device=h.device)
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    groups = -(-in_features // group_size)
-    scales = torch.zeros(out_features, groups, device=w.device)
-    zeros = torch.zeros(out_features, groups, device=w.device) if zero_point else None
-    levels = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
-    for start in range(0, in_features, block):
-        stop = min(start + block, in_features)
-        w_block, errors = w[:, start:stop].clone(), torch.zeros(out_features, stop - start, device=w.device)
+    order = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(in_features)
+    w = w.float()[:, order].clone()
+    w[:, torch.diag(hessian)[order] == 0] = 0.0
+    h_inv = inverse_hessian_factor(hessian[order][:, order], damp)
+    result = torch.empty_like(w)
+    for start in range(0, in_features, BLOCK):
+        stop = min(start + BLOCK, in_features)
+        block, errors = w[:, start:stop].clone(), torch.empty(out_features, stop - start, device=w.device)
         h_block = h_inv[start:stop, start:stop]
         for i in range(stop - start):
-            column = start + i
-            if column % group_size == 0:
-                g = column // group_size
-                values = torch.cat([w_block[:, i:], w[:, stop:]], dim=1)[:, :group_size]
-                scales[:, g], zero = _group_grid(values, zero_point)
-                if zero_point:
-                    zeros[:, g] = zero
-            g = column // group_size
-            q, dequant = _round(w_block[:, i], scales[:, g], zeros[:, g] if zero_point else None)
-            levels[:, column] = q.to(torch.uint8)
-            error = (w_block[:, i] - dequant) / h_block[i, i]
-            w_block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
+            result[:, start + i] = round_column(block[:, i], int(order[start + i]))
+            error = (block[:, i] - result[:, start + i]) / h_block[i, i]
+            block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
             errors[:, i] = error
         w[:, stop:] -= errors @ h_inv[start:stop, stop:]
-    return pack_int4(levels), scales, zeros
+    return result[:, torch.argsort(order)]
+
+
+def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """(out, in) uint8 levels of w on the fixed int4 grid (scale, zero), each (out, groups), by GPTQ."""
+    group = int4_group_size(w.shape[1], scale.shape[1])
+    offset = zero if zero is not None else torch.full_like(scale, 8.0)
+
+    def round_column(values, column):
+        s, z = scale[:, column // group], offset[:, column // group]
+        return (torch.round(values / s + z).clamp(0, 15) - z) * s
+
+    return int4_levels(gptq(w, hessian, round_column), scale, zero)
+
+
+def gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(out, in) e4m3 values of w / scale (scale per output row, (out,)) by GPTQ."""
+    def round_column(values, _column):
+        return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+    return (gptq(w, hessian, round_column) / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
