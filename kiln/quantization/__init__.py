@@ -1,10 +1,11 @@
-"""Offline quantization of a model in the checkpoint layout: calibration, SmoothQuant, weight packing.
+"""Offline quantization of a model in the checkpoint layout: calibration, SmoothQuant, AWQ, GPTQ, weight packing.
 
     quantized = quantize_model(model, QuantConfig(quant_algo="W4A16_AWQ", group_size=128), calib_size=16)
 
 Calibration runs the float model (reference kernels) over Kiln's own calibration text
-(kiln/data/calibration.txt) and records, per linear layer, each input channel's largest magnitude, and per
+(kiln/data/calibration.txt, then Python's bundled documentation for more) and records, per linear layer, each input channel's largest magnitude, and per
 layer the largest cached key and value. From those: SmoothQuant factors, static activation scales and KV scales.
+AWQ, GPTQ and the FP8 weights are quantized layer by layer instead (sequential.py).
 """
 from __future__ import annotations
 
@@ -15,54 +16,59 @@ import random
 import torch
 
 from kiln.config import QuantConfig
+from kiln.config.quant import GROUP_ALGOS
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant
 from kiln.models.base import PretrainedModel
 
-from .gptq import gptq_int4
 from kiln.utils.steps import progress
+
+from .sequential import ALGOS as SEQUENTIAL_ALGOS, quantize_layers
 
 CALIBRATION_SEQ_LEN = 256
 INT8_MAX, FP8_MAX = 127.0, quant.FP8_MAX
 
 
 def calibration_tokens(model: PretrainedModel, calib_size: int, seq_len: int = CALIBRATION_SEQ_LEN) -> list[list[int]]:
-    """`calib_size` token sequences from Kiln's calibration text (random tokens when the model has no tokenizer)."""
+    """`calib_size` token sequences: Kiln's calibration text first, then passages spread over Python's own
+    reference documentation (the standard library's pydoc_data: present wherever Python is, nothing to download),
+    so that larger sizes bring new tokens rather than repeats (GPTQ overfits a few hundred tokens). Random
+    tokens when the model has no tokenizer."""
     from kiln.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model.tokenizer_files)
     if tokenizer is None:
         rng = random.Random(0)
         return [[rng.randrange(model.config.vocab_size) for _ in range(seq_len)] for _ in range(calib_size)]
-    text = importlib.resources.files("kiln.data").joinpath("calibration.txt").read_text()
-    ids = tokenizer.encode(text)
-    chunks = [ids[i:i + seq_len] for i in range(0, max(1, len(ids) - seq_len // 4), seq_len // 2)]
-    return [chunks[i % len(chunks)] for i in range(calib_size)]
+    own = tokenizer.encode(importlib.resources.files("kiln.data").joinpath("calibration.txt").read_text())
+    chunks = [own[i:i + seq_len] for i in range(0, len(own), seq_len)][:calib_size]
+    if len(chunks) < calib_size:
+        from pydoc_data.topics import topics
+
+        docs = tokenizer.encode("\n\n".join(topics[name] for name in sorted(topics)))
+        wanted = calib_size - len(chunks)
+        stride = max(seq_len, (len(docs) - seq_len) // wanted)
+        chunks += [docs[i * stride:i * stride + seq_len] for i in range(wanted)]
+    return chunks
 
 
 @dataclasses.dataclass
 class CalibrationStats:
     inputs: dict[str, torch.Tensor]      # engine module name → (in_features,) largest |input| per channel
     kv: list[tuple[float, float]]        # per layer: largest |key|, largest |value|
-    hessians: dict[str, torch.Tensor]    # engine module name → (in, in) Σ xᵀx of its inputs (GPTQ only)
 
 
 @torch.inference_mode()
-def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = False,
-              hessians: bool = False) -> CalibrationStats:
+def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = False) -> CalibrationStats:
     float_config = dataclasses.replace(model.config, quantization=QuantConfig())
     device = next(iter(model.weights.values())).device
     max_len = max(len(s) for s in sequences)
     net = model.network_class.load(float_config, model.engine_weights(), max_len, device, ops=ReferenceOps())
     inputs: dict[str, torch.Tensor] = {}
-    sums: dict[str, torch.Tensor] = {}
 
     def record(name):
         def hook(_module, args):
-            x = args[0].detach().float()
-            peak = x.abs().amax(dim=0)
+            peak = args[0].detach().float().abs().amax(dim=0)
             inputs[name] = torch.maximum(inputs[name], peak) if name in inputs else peak
-            if hessians:
-                sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
         return hook
 
     for name, module in net.named_modules():
@@ -82,7 +88,7 @@ def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = 
               for (k, v), cache in zip(kv, caches)]
         for cache in caches:
             cache.zero_()
-    return CalibrationStats(inputs, kv, sums)
+    return CalibrationStats(inputs, kv)
 
 
 # (fused engine module, its checkpoint parts, the norm before it that can absorb SmoothQuant factors)
@@ -106,20 +112,54 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
     if model.config.quantization.enabled:
         raise ValueError("the model is already quantized")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
-    gptq = quant_config.quant_algo == "W4A16_GPTQ"
-    stats = None
-    if quant_config.needs_calibration or gptq:
-        stats = calibrate(model, calibration_tokens(model, calib_size), quiet, hessians=gptq)
+    sequences = calibration_tokens(model, calib_size)
+    stats = calibrate(model, sequences, quiet) if quant_config.needs_calibration else None
     weights = dict(model.weights)
     algo = quant_config.quant_algo
+    layered: dict[str, dict] = {}
+    if algo in SEQUENTIAL_ALGOS:
+        layered, changed = quantize_layers(model, quant_config, sequences, quiet)
+        weights.update(_checkpoint_floats(config, weights, changed))
     for fused, parts, norm in _linear_groups(config):
-        if quant_config.quantizes(fused):
+        if fused in layered:
+            _store_rows(weights, parts, layered[fused])
+            if quant_config.static_activations:
+                for part in parts:
+                    weights[part + ".input_scale"] = _input_scale(stats.inputs[fused], FP8_MAX)
+        elif quant_config.quantizes(fused):
             _quantize_group(weights, quant_config, algo, fused, parts, norm, stats)
     if quant_config.kv_cache_quant_algo:
         limit = INT8_MAX if quant_config.kv_cache_quant_algo == "INT8" else FP8_MAX
         for i, (k, v) in enumerate(stats.kv):
             weights[f"layers.{i}.attn.kv_scale"] = torch.tensor([max(k, 1e-6) / limit, max(v, 1e-6) / limit])
     return type(model)(config, weights, model.tokenizer_files, source="quantized model")
+
+
+def _store_rows(weights, parts: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """A fused module's quantized tensors (one row per output), split by rows into its checkpoint parts; int4
+    levels packed two to a byte."""
+    sizes = [weights[p + ".weight"].shape[0] for p in parts]
+    for name, tensor in tensors.items():
+        for part, rows in zip(parts, tensor.split(sizes)):
+            rows = rows.contiguous()
+            weights[f"{part}.{name}"] = quant.pack_int4(rows) if rows.dtype == torch.uint8 else rows
+
+
+def _input_scale(x_max: torch.Tensor, limit: float) -> torch.Tensor:
+    """A static per-tensor activation scale from the calibrated largest |input| per channel."""
+    return torch.tensor([max(float(x_max.max()), 1e-6) / limit])
+
+
+def _checkpoint_floats(config, weights, changed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Engine-layout float weights (norms, biases; fused q/k/v and gate/up biases split) → checkpoint ones."""
+    out = {}
+    for fused, parts, _ in _linear_groups(config):
+        bias = changed.pop(fused + ".bias", None)
+        if bias is not None:
+            sizes = [weights[p + ".bias"].shape[0] for p in parts]
+            out.update({p + ".bias": b.contiguous() for p, b in zip(parts, bias.split(sizes))})
+    out.update(changed)
+    return {name: value.to(weights[name].dtype) for name, value in out.items()}
 
 
 def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, parts: list[str], norm: str | None,
@@ -140,28 +180,22 @@ def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, p
         x_max = stats.inputs[fused].to(mats[0].device)
         if smoother is not None:
             x_max = x_max / smoother
-        limit = INT8_MAX if algo.startswith("W8A8") else FP8_MAX
-        input_scale = torch.tensor([max(float(x_max.max()), 1e-6) / limit])
-    hessian = stats.hessians.get(fused) if stats is not None and stats.hessians else None
+        input_scale = _input_scale(x_max, INT8_MAX if algo.startswith("W8A8") else FP8_MAX)
     for part, mat in zip(parts, mats):
-        weights.update(_quantize_matrix(part, mat, algo, quant_config, hessian))
+        weights.update(_quantize_matrix(part, mat, algo, quant_config))
         if input_scale is not None:                        # one tensor per part: safetensors refuses shared memory
             weights[part + ".input_scale"] = input_scale.clone()
         if smoother is not None and norm is None:          # not absorbed: divided at run time
             weights[part + ".smoother"] = smoother.clone()
 
 
-def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig,
-                     hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
     if algo == "W8A16" or algo.startswith("W8A8"):
         q, scale = quant.quantize_int8(w)
         return {base + ".weight": q, base + ".weight_scale": scale}
     if algo.startswith("W4A16"):
-        group = quant_config.group_size if algo in ("W4A16_GPTQ", "W4A16_AWQ") else None
-        if hessian is not None:
-            packed, scale, zero = gptq_int4(w, hessian.to(w.device), group, quant_config.has_zero_point)
-        else:
-            packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
+        group = quant_config.group_size if algo in GROUP_ALGOS else None
+        packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
         out = {base + ".weight": packed, base + ".weight_scale": scale}
         if zero is not None:
             out[base + ".weight_zero"] = zero

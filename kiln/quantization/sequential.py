@@ -1,0 +1,121 @@
+"""W4A16_AWQ, W4A16_GPTQ and the FP8 modes: weights quantized decoder layer by decoder layer on calibration inputs.
+
+Per layer: capture the inputs X of its four linear modules (from the already-quantized layers before it) and keep
+H = XᵀX / tokens and the mean |x| per channel. W4A16_AWQ then searches and folds its per-channel scales; the int4
+modules get a clipping search for their group grids, then their levels by round to nearest (AWQ) or GPTQ; FP8
+weights (per-channel e4m3) are rounded by GPTQ. The layer's weights are replaced by their quantized values before
+its outputs feed the next layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.config import QuantConfig
+from kiln.kernels.quant import FP8_MAX, int4_grid, int4_levels, int4_values
+from kiln.models.base import PretrainedModel
+from kiln.utils.steps import progress
+
+from .awq import fake_quantize, search_clip, search_scales, tie_heads
+from .gptq import gptq_fp8, gptq_int4
+from .layerwise import LayerRunner
+
+LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+ALGOS = ("W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+
+def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences: list[list[int]],
+                    quiet: bool = False) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    """({engine module name: {weight (int4 levels unpacked, or e4m3), weight_scale[, weight_zero]}, each with
+    one row per output}, {engine name: float weight that AWQ changed (norms, biases)})."""
+    runner = LayerRunner(model, sequences)
+    names = [n for n in LINEARS if quant_config.quantizes(n)]
+    results, changed = {}, {}
+    for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
+        stats = {}
+        if quant_config.quant_algo == "W4A16_AWQ":
+            stats = _statistics(runner.capture(layer, names))
+            _apply_awq(layer, stats, model.config, quant_config)
+            changed.update({f"layers.{index}.{k}": v.detach().clone() for k, v in layer.state_dict().items()
+                            if "norm" in k or k.endswith("bias")})
+        for name in names:          # GPTQ: each module sees the outputs of the ones already quantized before it
+            hessian = stats[name][0] if name in stats else _statistics(runner.capture(layer, [name]))[name][0]
+            results[f"layers.{index}.{name}"] = _quantize_linear(layer.get_submodule(name), hessian,
+                                                                 quant_config, _clip_rows(name, model.config))
+        runner.advance(layer)
+    return results, changed
+
+
+def _statistics(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per module: (H = XᵀX / tokens, mean |x| per input channel) of its captured inputs X."""
+    return {name: (x.T @ x / x.shape[0], x.abs().mean(dim=0)) for name, x in inputs.items()}
+
+
+def _clip_rows(name: str, config) -> torch.Tensor | None:
+    """Rows whose range may be clipped: not q and k (attention scores are too sensitive), as AutoAWQ."""
+    if name != "attn.qkv_proj":
+        return None
+    qk = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
+    return torch.arange(qk + config.num_key_value_heads * config.head_dim) >= qk
+
+
+def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig,
+                     rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    w = module.weight.detach().float()
+    if quant_config.quant_algo.startswith("FP8"):
+        scale = w.abs().amax(dim=1).clamp_min(1e-8) / FP8_MAX
+        q = gptq_fp8(w, hessian, scale)
+        _assign(module.weight, q.float() * scale[:, None])
+        return {"weight": q, "weight_scale": scale}
+    group, zero_point = quant_config.group_size, quant_config.has_zero_point
+    ratio = search_clip(w, hessian, group, zero_point, None if rows is None else rows.to(w.device))
+    scale, zero = int4_grid(w, group, zero_point, ratio)
+    if quant_config.quant_algo == "W4A16_GPTQ":
+        levels = gptq_int4(w, hessian, scale, zero)
+    else:
+        levels = int4_levels(w, scale, zero)
+    deq = int4_values(levels, scale, zero)
+    _assign(module.weight, deq)
+    return {"weight": levels, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace a parameter's values (never in place: the float network shares tensors with the model)."""
+    param.data = value.to(param.dtype).contiguous()
+
+
+def _scale_rows(module, rows: slice, factor: torch.Tensor) -> None:
+    """Divide the output rows `rows` of a linear module (and its bias) by `factor`: they absorb 1/s."""
+    for param in (module.weight, module.bias):
+        if param is not None:
+            value = param.detach().float().clone()
+            value[rows] = value[rows] / (factor[:, None] if value.dim() == 2 else factor)
+            _assign(param, value)
+
+
+def _apply_awq(layer, stats: dict, config, quant_config: QuantConfig) -> None:
+    """Search and fold AWQ scales for each quantized module of the layer; `stats` follow (X → X / s)."""
+    group, zero_point = quant_config.group_size, quant_config.has_zero_point
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    qkv, gate_up = layer.attn.qkv_proj, layer.mlp.gate_up_proj
+    v_rows = slice((heads + kv_heads) * head_dim, None)
+    up_rows = slice(gate_up.weight.shape[0] // 2, None)
+    repeats = heads // kv_heads
+
+    def into_norm(norm):
+        return lambda s: _assign(norm.weight, norm.weight.detach().float() / s)
+
+    absorbers = {"attn.qkv_proj": (into_norm(layer.input_norm), None),
+                 "attn.o_proj": (lambda s: _scale_rows(qkv, v_rows, s.view(kv_heads, repeats, head_dim)[:, 0].reshape(-1)),
+                                 lambda x: tie_heads(x, repeats, head_dim)),
+                 "mlp.gate_up_proj": (into_norm(layer.post_attn_norm), None),
+                 "mlp.down_proj": (lambda s: _scale_rows(gate_up, up_rows, s), None)}
+    for name, (absorb, tie) in absorbers.items():
+        if name not in stats:
+            continue
+        module, (h, x_mean) = layer.get_submodule(name), stats[name]
+        w = module.weight.detach().float()
+        s = search_scales(w, h, x_mean, lambda m: fake_quantize(m, group, zero_point), group,
+                          tie or (lambda x: x))
+        _assign(module.weight, w * s)
+        absorb(s)
+        stats[name] = (h / s[:, None] / s[None, :], x_mean / s)
