@@ -228,3 +228,106 @@ def test_gpu_kernels_under_the_interpreter():
                            str(Path(__file__).with_name("test_quant_interpreted.py"))],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _correlated_inputs(tokens: int, width: int, seed: int) -> torch.Tensor:
+    """Calibration-like inputs: correlated channels of very different sizes (a few outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(width, width, generator=g) / width ** 0.5 + torch.eye(width)
+    return (torch.randn(tokens, width, generator=g) @ mix) * torch.rand(width, generator=g).pow(3).mul(8).add(0.2)
+
+
+def test_gptq_lowers_the_layer_output_error_below_round_to_nearest():
+    from kiln.quantization.gptq import gptq_fp8, gptq_int4
+
+    x = _correlated_inputs(1024, 192, 0)
+    h = x.T @ x / len(x)
+    w = torch.randn(64, 192, generator=torch.Generator().manual_seed(1))
+    error = lambda w_hat: float(((x @ (w - w_hat).T) ** 2).sum())          # noqa: E731
+    for zero_point in (False, True):
+        scale, zero = quant.int4_grid(w, 64, zero_point)
+        rtn = quant.int4_values(quant.int4_levels(w, scale, zero), scale, zero)
+        levels = gptq_int4(w, h, scale, zero)
+        assert levels.dtype == torch.uint8 and int(levels.max()) <= 15
+        assert error(quant.int4_values(levels, scale, zero)) < 0.8 * error(rtn)
+    scale = w.abs().amax(dim=1) / quant.FP8_MAX
+    fp8 = gptq_fp8(w, h, scale)
+    assert fp8.dtype == quant.FP8
+    assert error(fp8.float() * scale[:, None]) < 0.9 * error(quant.dequantize_fp8(*quant.quantize_fp8(w)))
+
+
+def test_awq_searches_never_lose_to_plain_rounding():
+    from kiln.quantization.awq import fake_quantize, output_error, search_clip, search_scales
+
+    x = _correlated_inputs(1024, 256, 2)
+    h = x.T @ x / len(x)
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(3))
+    rtn = output_error(w - fake_quantize(w, 64, True), h)
+    s = search_scales(w, h, x.abs().mean(dim=0), lambda m: fake_quantize(m, 64, True), 64)
+    assert output_error(w - fake_quantize(w * s, 64, True) / s, h) < 0.9 * rtn     # outliers: scaling pays off
+    ratio = search_clip(w, h, 64, True)
+    assert ratio.shape == (96, 4) and float(ratio.min()) < 1.0 <= float(ratio.max())
+    assert output_error(w - fake_quantize(w, 64, True, ratio), h) < rtn
+
+
+@pytest.mark.parametrize("name", ["llama", "llama31_bias_tied"])
+def test_awq_scale_folding_keeps_the_float_function(tiny_models, name):
+    """Scales folded into the norms and into v_proj / up_proj rows (grouped-query attention, biases) leave every
+    layer's float output unchanged."""
+    from kiln.quantization.layerwise import LayerRunner
+    from kiln.quantization.sequential import LINEARS, _apply_awq
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models[name][0], quiet=True)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    runner = LayerRunner(model, [list(range(5, 69)), list(range(100, 140))])
+    _, layer = next(iter(runner.layers()))
+    before = [t.clone() for t in runner._run(layer)]
+    inputs = runner.capture(layer, list(LINEARS))
+    stats = {n: (x.T @ x / len(x), x.abs().mean(dim=0)) for n, x in inputs.items()}
+    norm = layer.input_norm.weight.detach().clone()
+    _apply_awq(layer, stats, model.config, QuantConfig("W4A16_AWQ", group_size=32))
+    assert not torch.equal(norm, layer.input_norm.weight)                          # something was folded
+    for old, new in zip(before, runner._run(layer)):
+        assert torch.allclose(old, new, rtol=1e-4, atol=1e-5)
+    after = runner.capture(layer, list(LINEARS))
+    for n in LINEARS:                                                             # the inputs became X / s
+        assert torch.allclose(stats[n][0], after[n].T @ after[n] / len(after[n]), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["W4A16_AWQ", "W4A16_GPTQ", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_calibrated_weights_beat_round_to_nearest(tiny_models, algo):
+    """On text like the calibration text, the calibrated weights keep the logits closer to the float model's than
+    the same grids filled by plain rounding (weights only: activations left in float on both sides)."""
+    from kiln.quantization import calibration_tokens
+
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    prompt = calibration_tokens(model, 1, seq_len=64)[0]
+    config = QuantConfig(algo, group_size=32, has_zero_point=algo != "W4A16_GPTQ")
+    quantized = quantize_model(model, config, calib_size=8, quiet=True)
+    calibrated, plain = dict(model.weights), dict(model.weights)
+    for name, w in model.weights.items():
+        if name.endswith("proj.weight"):
+            base = name[:-len(".weight")]
+            params = {k[len(base) + 1:]: v for k, v in quantized.weights.items() if k.startswith(base + ".weight")}
+            calibrated[name] = quant.dequantize_weight(algo, params)
+            plain[name] = quant.dequantize_weight(algo, _params(algo, w, 32) if algo != "W4A16_GPTQ" else
+                                                  dict(zip(("weight", "weight_scale"), quant.quantize_int4(w, 32)[:2])))
+    calibrated.update({k: v for k, v in quantized.weights.items() if "norm" in k})     # AWQ's folded scales
+    logits = {}
+    for label, weights in (("float", model.weights), ("calibrated", calibrated), ("plain", plain)):
+        net = LlamaForCausalLM(model.config, weights, model.tokenizer_files, source=label)
+        with LLM(net, build_config=BuildConfig(max_input_len=64, max_seq_len=128, gather_context_logits=True),
+                 quiet=True) as llm:
+            logits[label] = llm.generate(prompt, SamplingConfig(max_new_tokens=1, end_id=-1)).context_logits
+    error = {k: ((logits[k] - logits["float"]).norm() / logits["float"].norm()).item() for k in ("calibrated", "plain")}
+    assert error["calibrated"] < error["plain"], error
+
+
+def test_calibration_sequences_are_distinct(tiny_models):
+    from kiln.quantization import calibration_tokens
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    sequences = calibration_tokens(model, 40, seq_len=128)
+    assert len(sequences) == 40 and all(len(s) > 0 for s in sequences)
+    assert len({tuple(s) for s in sequences}) == 40                       # Kiln's text, then Python's documentation
