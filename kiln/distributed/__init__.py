@@ -119,6 +119,12 @@ class ParallelContext:
             self.dist.recv(buffer, src=self.last_stage_rank)
         return buffer
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (over the host control group: safe after a failed device call)."""
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.control)
+        return bool(t.item())
+
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)

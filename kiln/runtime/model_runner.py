@@ -3,6 +3,7 @@ graph for one-token steps on a GPU), keeps each finished sequence's last logits 
 and samples — greedy requests in one batched argmax, with one device-to-host copy per step."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -105,9 +106,20 @@ class ModelRunner:
         if self.device.type != "cuda" or self.net.ops.name != "triton" or pipelined:
             return
         from .cuda_graphs import CudaGraphs
-        with torch.inference_mode():
-            self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
-                                     self.tokens_per_block, self._parts, LONG_CONTEXT)
+        try:
+            with torch.inference_mode():
+                self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
+                                         self.tokens_per_block, self._parts, LONG_CONTEXT)
+        except RuntimeError as err:
+            if self.parallel is None:
+                raise
+            self.graphs, failure = None, f"{type(err).__name__}: {err}"
+        else:
+            failure = None
+        if self.parallel is not None and not self.parallel.all_true(failure is None):
+            self.graphs = None                      # every rank replays graphs, or none does
+            print(f"note: rank {self.parallel.rank}: decode steps run without CUDA graphs (capturing them with "
+                  f"the collectives failed{': ' + failure if failure else ' on another rank'})", file=sys.stderr)
         if self.kernel_dir is not None:
             from .kernel_cache import count_entries
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
