@@ -32,10 +32,6 @@ def _packed_metadata(lengths: list[int], device) -> tuple[torch.Tensor, Attentio
     return positions.to(device), meta
 
 
-class _Captured(Exception):
-    """Raised by a capture hook once every input asked for is in hand."""
-
-
 class LayerRunner:
     """Float copy of the model's network (reference kernels); the caller may replace its layers' weights."""
 
@@ -63,19 +59,14 @@ class LayerRunner:
         return layer(self.hidden, self.residual, self.positions, self.meta, self.cache, self.net.cos_sin)
 
     def capture(self, layer, names: list[str]) -> dict[str, torch.Tensor]:
-        """The float32 inputs (tokens, in) that the layer's linear modules `names` see on this layer's inputs
-        (the layer runs only as far as the last of them)."""
+        """The float32 inputs (tokens, in) that the layer's linear modules `names` see on this layer's inputs."""
         inputs, handles = {}, []
         for name in names:
             def hook(_module, args, name=name):
                 inputs[name] = args[0].detach().float()
-                if len(inputs) == len(names):
-                    raise _Captured
             handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
         try:
             self._run(layer)
-        except _Captured:
-            pass
         finally:
             for handle in handles:
                 handle.remove()

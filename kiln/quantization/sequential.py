@@ -31,15 +31,13 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
     names = [n for n in LINEARS if quant_config.quantizes(n)]
     results, changed = {}, {}
     for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
-        stats = {}
+        stats = _statistics(runner.capture(layer, names))
         if quant_config.quant_algo == "W4A16_AWQ":
-            stats = _statistics(runner.capture(layer, names))
             _apply_awq(layer, stats, model.config, quant_config)
             changed.update({f"layers.{index}.{k}": v.detach().clone() for k, v in layer.state_dict().items()
                             if "norm" in k or k.endswith("bias")})
-        for name in names:          # GPTQ: each module sees the outputs of the ones already quantized before it
-            hessian = stats[name][0] if name in stats else _statistics(runner.capture(layer, [name]))[name][0]
-            results[f"layers.{index}.{name}"] = _quantize_linear(layer.get_submodule(name), hessian,
+        for name in names:
+            results[f"layers.{index}.{name}"] = _quantize_linear(layer.get_submodule(name), stats[name][0],
                                                                  quant_config, _clip_rows(name, model.config))
         runner.advance(layer)
     return results, changed
