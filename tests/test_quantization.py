@@ -331,3 +331,15 @@ def test_calibration_sequences_are_distinct(tiny_models):
     sequences = calibration_tokens(model, 40, seq_len=128)
     assert len(sequences) == 40 and all(len(s) > 0 for s in sequences)
     assert len({tuple(s) for s in sequences}) == 40                       # Kiln's text, then Python's documentation
+
+
+def test_awq_kv_scales_cover_the_rescaled_values(tiny_models):
+    """AWQ divides v_proj's rows by its scales: the KV-cache scales are measured on the quantized layers, so the
+    cached values still fit the int8 range."""
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    awq = quantize_model(model, QuantConfig("W4A16_AWQ", "INT8", group_size=32), calib_size=4, quiet=True)
+    plain = quantize_model(model, QuantConfig(kv_cache_quant_algo="INT8"), calib_size=4, quiet=True)
+    scales = [(awq.weights[k], plain.weights[k]) for k in awq.weights if k.endswith("kv_scale")]
+    assert len(scales) == model.config.num_hidden_layers
+    assert any(not torch.allclose(a[1], p[1], rtol=1e-2) for a, p in scales)      # the values' range moved

@@ -3,9 +3,10 @@
     quantized = quantize_model(model, QuantConfig(quant_algo="W4A16_AWQ", group_size=128), calib_size=16)
 
 Calibration runs the float model (reference kernels) over Kiln's own calibration text
-(kiln/data/calibration.txt, then Python's bundled documentation for more) and records, per linear layer, each input channel's largest magnitude, and per
-layer the largest cached key and value. From those: SmoothQuant factors, static activation scales and KV scales.
-AWQ, GPTQ and the FP8 weights are quantized layer by layer instead (sequential.py).
+(kiln/data/calibration.txt, then Python's bundled documentation for more) and records, per linear layer, each
+input channel's largest magnitude, and per layer the largest cached key and value. From those: SmoothQuant
+factors, static activation scales and KV scales. AWQ, GPTQ and the FP8 weights are quantized layer by layer
+instead (sequential.py), which also measures the keys and values that the quantized layers produce.
 """
 from __future__ import annotations
 
@@ -113,12 +114,16 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
         raise ValueError("the model is already quantized")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
     sequences = calibration_tokens(model, calib_size)
-    stats = calibrate(model, sequences, quiet) if quant_config.needs_calibration else None
-    weights = dict(model.weights)
     algo = quant_config.quant_algo
+    sequential = algo in SEQUENTIAL_ALGOS
+    stats = None
+    if quant_config.needs_calibration and (quant_config.static_activations or not sequential):
+        stats = calibrate(model, sequences, quiet)
+    weights = dict(model.weights)
     layered: dict[str, dict] = {}
-    if algo in SEQUENTIAL_ALGOS:
-        layered, changed = quantize_layers(model, quant_config, sequences, quiet)
+    kv = stats.kv if stats is not None else []
+    if sequential:                      # AWQ rescales v_proj's rows: the cache scales follow the quantized layers
+        layered, changed, kv = quantize_layers(model, quant_config, sequences, quiet)
         weights.update(_checkpoint_floats(config, weights, changed))
     for fused, parts, norm in _linear_groups(config):
         if fused in layered:
@@ -130,7 +135,7 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
             _quantize_group(weights, quant_config, algo, fused, parts, norm, stats)
     if quant_config.kv_cache_quant_algo:
         limit = INT8_MAX if quant_config.kv_cache_quant_algo == "INT8" else FP8_MAX
-        for i, (k, v) in enumerate(stats.kv):
+        for i, (k, v) in enumerate(kv):
             weights[f"layers.{i}.attn.kv_scale"] = torch.tensor([max(k, 1e-6) / limit, max(v, 1e-6) / limit])
     return type(model)(config, weights, model.tokenizer_files, source="quantized model")
 

@@ -72,6 +72,10 @@ class LayerRunner:
                 handle.remove()
         return inputs
 
+    def kv_peaks(self) -> tuple[float, float]:
+        """Largest |key| and |value| that the layer last run wrote to the cache."""
+        return float(self.cache[0].abs().max()), float(self.cache[1].abs().max())
+
     def advance(self, layer) -> None:
         """Run `layer` as it now is; its outputs become the inputs of the next one."""
         self.hidden, self.residual = self._run(layer)

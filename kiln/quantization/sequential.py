@@ -24,12 +24,13 @@ ALGOS = ("W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 
 
 def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences: list[list[int]],
-                    quiet: bool = False) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+                    quiet: bool = False):
     """({engine module name: {weight (int4 levels unpacked, or e4m3), weight_scale[, weight_zero]}, each with
-    one row per output}, {engine name: float weight that AWQ changed (norms, biases)})."""
+    one row per output}, {engine name: float weight that AWQ changed (norms, biases)}, per layer the largest
+    |key| and |value| the quantized layer caches)."""
     runner = LayerRunner(model, sequences)
     names = [n for n in LINEARS if quant_config.quantizes(n)]
-    results, changed = {}, {}
+    results, changed, kv = {}, {}, []
     for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
         stats = _statistics(runner.capture(layer, names))
         if quant_config.quant_algo == "W4A16_AWQ":
@@ -40,7 +41,8 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
             results[f"layers.{index}.{name}"] = _quantize_linear(layer.get_submodule(name), stats[name][0],
                                                                  quant_config, _clip_rows(name, model.config))
         runner.advance(layer)
-    return results, changed
+        kv.append(runner.kv_peaks())
+    return results, changed, kv
 
 
 def _statistics(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -98,12 +100,13 @@ def _apply_awq(layer, stats: dict, config, quant_config: QuantConfig) -> None:
     v_rows = slice((heads + kv_heads) * head_dim, None)
     up_rows = slice(gate_up.weight.shape[0] // 2, None)
     repeats = heads // kv_heads
+    per_kv_head = lambda s: s.view(kv_heads, repeats, head_dim)[:, 0].reshape(-1)      # noqa: E731
 
     def into_norm(norm):
         return lambda s: _assign(norm.weight, norm.weight.detach().float() / s)
 
     absorbers = {"attn.qkv_proj": (into_norm(layer.input_norm), None),
-                 "attn.o_proj": (lambda s: _scale_rows(qkv, v_rows, s.view(kv_heads, repeats, head_dim)[:, 0].reshape(-1)),
+                 "attn.o_proj": (lambda s: _scale_rows(qkv, v_rows, per_kv_head(s)),
                                  lambda x: tie_heads(x, repeats, head_dim)),
                  "mlp.gate_up_proj": (into_norm(layer.post_attn_norm), None),
                  "mlp.down_proj": (lambda s: _scale_rows(gate_up, up_rows, s), None)}
