@@ -260,11 +260,23 @@ def test_quantized_model_matches_the_cpu_path(algo):
     model = quantize_model(model, QuantConfig(quant_algo=algo), calib_size=2, quiet=True)
     build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
     prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
-    tokens = {}
+    outputs = {}
     for device in ("cpu", "cuda"):
         with LLM(model, build_config=build, device=device, quiet=True) as llm:
-            tokens[device] = [o.token_ids for o in llm.generate(prompts, SamplingConfig(max_new_tokens=16, end_id=-1))]
-    assert tokens["cuda"] == tokens["cpu"]
+            outputs[device] = llm.generate(prompts, SamplingConfig(max_new_tokens=16, end_id=-1, logprobs=2))
+    for cpu, gpu in zip(outputs["cpu"], outputs["cuda"]):
+        _same_greedy_tokens_up_to_ties(cpu.outputs[0], gpu.outputs[0])
+
+
+def _same_greedy_tokens_up_to_ties(cpu, gpu, tie: float = 2e-3) -> None:
+    """Greedy tokens agree; a random model's near-uniform logits may tie, and where the two paths part the CPU's
+    two best tokens must be the GPU's choice and a near-tie (after which the sequences differ legitimately)."""
+    parted = next((i for i, (a, b) in enumerate(zip(cpu.token_ids, gpu.token_ids)) if a != b), None)
+    if parted is None:
+        return
+    top = cpu.logprobs[parted].top
+    assert gpu.token_ids[parted] in top, (parted, top, gpu.token_ids[parted])
+    assert abs(top[gpu.token_ids[parted]] - top[cpu.token_ids[parted]]) < tie, (parted, top)
 
 
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
