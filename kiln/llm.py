@@ -10,11 +10,10 @@ from typing import Sequence, Union
 
 import torch
 
-from kiln.builder import Engine, build, build_all_ranks, build_sharded, is_engine_dir
+from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
 from kiln.config import BuildConfig, KvCacheConfig, ParallelConfig, PretrainedConfig, SchedulerPolicy
 from kiln.distributed import launched_rank, rank_device, serve_steps
-from kiln.distributed.auto import choose_parallelism
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import GenerationExecutor, GenerationResult
@@ -68,13 +67,10 @@ def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: P
     build_config = build_config or default_build_config(model.config)
     if parallel is None or (parallel.tp_size * parallel.pp_size == 1 and not parallel.auto_parallel):
         return build(model, build_config, quiet)
-    tp, pp = parallel.tp_size, parallel.pp_size
     if parallel.auto_parallel:
         limit = parallel.max_memory_mb * 2**20 if parallel.max_memory_mb else None
-        tp, pp, why = choose_parallelism(model.config, parallel.world_size, limit)
-        if not quiet:
-            print(f"auto_parallel: {why}", file=sys.stderr)
-    return build_sharded(model, build_config, tp, pp, quiet)
+        return build_auto_parallel(model, build_config, parallel.world_size, limit, quiet)
+    return build_sharded(model, build_config, parallel.tp_size, parallel.pp_size, quiet)
 
 
 class LLM:

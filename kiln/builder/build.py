@@ -86,15 +86,14 @@ def build_sharded(model: PretrainedModel, build_config: BuildConfig, tp_size: in
                            workers)
 
 
-def build_auto_parallel(model: PretrainedModel, build_config: BuildConfig, quiet: bool = False,
-                        workers: int = 1) -> Engine:
-    """build_config.auto_parallel_config.enabled: choose tp × pp for its GPU count (and memory), say why, build."""
+def build_auto_parallel(model: PretrainedModel, build_config: BuildConfig, world_size: int,
+                        max_memory_bytes: int | None = None, quiet: bool = False, workers: int = 1) -> Engine:
+    """Choose tp × pp for `world_size` ranks (and a per-rank memory limit), say why, shard and build."""
     from kiln.distributed.auto import choose_parallelism
 
-    auto = build_config.auto_parallel_config
     if model.config.mapping.world_size > 1:
         raise ValueError("auto_parallel needs an unsharded model or checkpoint; this one is already sharded")
-    tp, pp, why = choose_parallelism(model.config, auto.world_size, auto.max_memory_MB * 2**20)
+    tp, pp, why = choose_parallelism(model.config, world_size, max_memory_bytes)
     if not quiet:
         print(f"auto_parallel: {why}", file=sys.stderr)
     return build_sharded(model, build_config, tp, pp, quiet, workers)

@@ -239,7 +239,8 @@ def _build_model(model, build_config: BuildConfig, tp: int, pp: int, quiet: bool
     if build_config.auto_parallel_config.enabled:
         if tp * pp > 1:
             raise ValueError("give either the checkpoint's tp_size/pp_size or auto_parallel, not both")
-        return build_auto_parallel(model, build_config, quiet, workers)
+        auto = build_config.auto_parallel_config
+        return build_auto_parallel(model, build_config, auto.world_size, auto.max_memory_MB * 2**20, quiet, workers)
     if tp * pp > 1:
         return build_sharded(model, build_config, tp, pp, quiet, workers)
     timing = (build_config.input_timing_cache, build_config.output_timing_cache)

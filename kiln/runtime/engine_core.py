@@ -1,4 +1,4 @@
-"""EngineCore: owns the scheduler, the KV cache and the model runner; step() = schedule → execute → update."""
+"""EngineCore: owns the scheduler, the KV cache and the model runner; step() = schedule → launch + finish (model runner) → update."""
 from __future__ import annotations
 
 import torch
@@ -78,28 +78,15 @@ class EngineCore:
         """One forward over the scheduled tokens; returns the requests that advanced (or finished)."""
         if self.overlap:
             return self.step_overlapped()
-        out = self.scheduler.schedule()
-        for request in out.preempted:
-            self.runner.forget_logits(request)
-            request.context_logit_chunks = []
-        if not out:
-            return []
-        result, gathered = self.runner.execute(out)
-        self._attach_logits(gathered)
-        finished = self.scheduler.update(out, result)
-        for request in finished:
-            self.runner.release(request)
-        return list({id(r): r for r, _, _ in out.scheduled}.values())
+        out = self._schedule()
+        return _unique(self._complete(out, self.runner.launch(out))) if out else []
 
     def step_overlapped(self) -> list[Request]:
         """Schedule and launch step N+1 while step N's greedy tokens are still on the device (they feed N+1's
         inputs there and reach the host in the background), then read step N's tokens. The host's work of
         one step overlaps the device's work of the next; sequences that step N finished have their share of
         step N+1 computed for nothing (and dropped). Steps with other sampling run as usual, in order."""
-        out = self.scheduler.schedule()
-        for request in out.preempted:
-            self.runner.forget_logits(request)
-            request.context_logit_chunks = []
+        out = self._schedule()
         launch = self.runner.launch(out, self.pending, defer=True) if out else None
         advanced = self._read(self.pending) if self.pending is not None else []
         self.pending = None
@@ -108,11 +95,22 @@ class EngineCore:
             self.pending = launch
             self.overlapped_steps += 1
         elif launch is not None:
-            result, gathered = self.runner.finish(launch)
-            self._attach_logits(gathered)
-            self._release(self.scheduler.update(out, result))
-            advanced += [r for r, _, _ in out.scheduled]
-        return list({id(r): r for r in advanced}.values())
+            advanced += self._complete(out, launch)
+        return _unique(advanced)
+
+    def _schedule(self):
+        out = self.scheduler.schedule()
+        for request in out.preempted:
+            self.runner.forget_logits(request)
+            request.context_logit_chunks = []
+        return out
+
+    def _complete(self, out, launch) -> list[Request]:
+        """Sample a launched step's tokens and apply them (in order)."""
+        result, gathered = self.runner.finish(launch)
+        self._attach_logits(gathered)
+        self._release(self.scheduler.update(out, result))
+        return [r for r, _, _ in out.scheduled]
 
     def _read(self, launch) -> list[Request]:
         """Put a deferred step's tokens in place of its sequences' pending tokens."""
@@ -155,3 +153,7 @@ class EngineCore:
                 "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
                 "preemptions": sched.stats.preemptions, "overlapped_steps": self.overlapped_steps,
                 "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}
+
+
+def _unique(requests: list[Request]) -> list[Request]:
+    return list({id(r): r for r in requests}.values())

@@ -35,14 +35,20 @@ class StepLogits:
 class Launch:
     """A step started on the device: what `finish` needs to produce its tokens."""
 
-    def __init__(self, out: SchedulerOutput, rows, done: list[Sequence], context, logits):
-        self.out, self.rows, self.done, self.context, self.logits = out, rows, done, context, logits
-        self.tokens = self.row_of = self.request_of = self._host = self._copied = None
+    def __init__(self, out: SchedulerOutput, done: list[Sequence], context, logits):
+        self.out, self.done, self.context, self.logits = out, done, context, logits
+        self.row_of = {seq.seq_id: i for i, seq in enumerate(done)}        # logits row of each finished sequence
+        self.tokens = self.request_of = self._host = self._copied = None
 
-    def defer(self, tokens: torch.Tensor, row_of: dict[int, int]) -> None:
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """Logits of the sequences whose tokens are all computed, in `done` order."""
+        return self.logits[:len(self.done)] if self.done else None
+
+    def defer(self, tokens: torch.Tensor) -> None:
         """Keep the greedy tokens on the device (the next step reads them there) and copy them to the host
         in the background."""
-        self.tokens, self.row_of = tokens, row_of
+        self.tokens = tokens
         self.request_of = {seq.seq_id: r for r, seq, _ in self.out.scheduled}
         if tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -167,10 +173,6 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[ModelStepOutput, StepLogits]:
-        return self.finish(self.launch(out))
-
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: "Launch | None" = None, defer: bool = False) -> "Launch":
         """Start a step on the device. PENDING_TOKEN inputs are taken on the device from `previous`'s sampled
         tokens. With `defer` (and only greedy, one-sequence requests finishing their tokens) the step's tokens
@@ -185,10 +187,9 @@ class ModelRunner:
             self.parallel.broadcast_step(step)
         fill = self._pending_inputs(out, starts, previous)
         logits = self.run_step(step, fill)                                            # (rows, V)
-        done = [out.scheduled[i][1] for i in ends]
-        launch = Launch(out, logits[:len(ends)] if ends else None, done, context, logits)
-        if defer and ends and self._deferrable(out, done):
-            launch.defer(launch.rows.argmax(dim=-1), {seq.seq_id: i for i, seq in enumerate(done)})
+        launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits)
+        if defer and ends and self._deferrable(out, launch.row_of):
+            launch.defer(launch.rows.argmax(dim=-1))
         return launch
 
     def finish(self, launch: "Launch") -> tuple[ModelStepOutput, StepLogits]:
@@ -205,21 +206,21 @@ class ModelRunner:
             offset += len(context_rows)
         return self._sample(out, launch.rows, launch.done, gathered), gathered
 
-    def _deferrable(self, out: SchedulerOutput, done: list[Sequence]) -> bool:
-        row_of = {seq.seq_id: i for i, seq in enumerate(done)}
+    def _deferrable(self, out: SchedulerOutput, row_of: dict[int, int]) -> bool:
         finishing = {id(r): r for r, seq, _ in out.scheduled if seq.seq_id in row_of}
         return (self.parallel is None and not self.gather_generation_logits and not self.gather_context_logits
                 and all(self._simple(r, row_of) for r in finishing.values()))
 
     def _pending_inputs(self, out: SchedulerOutput, starts: list[int], previous: "Launch | None"):
         """(packed rows, device tokens) for the inputs that are still on the device, or None."""
-        rows = [(starts[i], previous.row_of[seq.seq_id]) for i, (_, seq, n) in enumerate(out.scheduled)
-                if n == 1 and seq.token_ids[seq.num_computed_tokens] == PENDING_TOKEN]
-        if not rows:
+        waiting = [(starts[i], seq) for i, (_, seq, n) in enumerate(out.scheduled)
+                   if n == 1 and seq.token_ids[seq.num_computed_tokens] == PENDING_TOKEN]
+        if not waiting:
             return None
         if previous is None or previous.tokens is None:
             raise RuntimeError("a step has pending input tokens but no deferred step to take them from")
-        return self._tensor([d for d, _ in rows]), previous.tokens[self._tensor([s for _, s in rows])]
+        sources = [previous.row_of[seq.seq_id] for _, seq in waiting]
+        return self._tensor([row for row, _ in waiting]), previous.tokens[self._tensor(sources)]
 
     def _context_rows(self, out: SchedulerOutput, starts: list[int]) -> list[tuple[int, list[int]]]:
         """Packed rows whose logits a gather_context_logits engine returns: the prompt positions computed now."""
