@@ -46,7 +46,8 @@ def shape_config(name: str, dtype: str) -> PretrainedConfig:
 def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True,
                   quant_config=None, tp_size: int = 1, pp_size: int = 1, rank: int = 0) -> Engine:
     """An engine of a real model's shape with random weights, made on `device` in seconds (quantized first when
-    `quant_config` asks; modes that need calibration run it on random tokens). With tp_size × pp_size > 1 it is
+    `quant_config` asks, by round to nearest: AWQ's and GPTQ's searches mean nothing on random weights; static
+    scales are calibrated on random tokens). With tp_size × pp_size > 1 it is
     `rank`'s shard, made directly in its local shapes, and the other ranks make theirs the same way."""
     from kiln.models import LlamaForCausalLM
 
@@ -59,7 +60,7 @@ def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str 
     model = LlamaForCausalLM.random(config, seed=rank, device=device)
     if quant_config is not None and quant_config.enabled:
         from kiln.quantization import quantize_model
-        model = quantize_model(model, quant_config, calib_size=4, quiet=quiet)
+        model = quantize_model(model, quant_config, calib_size=4, quiet=quiet, round_to_nearest=True)
     engine = build(model, build_config, quiet=quiet)
     if world > 1:
         engine.rank_loader = functools.partial(_random_rank, name, dtype, build_config, tp_size, pp_size)

@@ -343,3 +343,21 @@ def test_awq_kv_scales_cover_the_rescaled_values(tiny_models):
     scales = [(awq.weights[k], plain.weights[k]) for k in awq.weights if k.endswith("kv_scale")]
     assert len(scales) == model.config.num_hidden_layers
     assert any(not torch.allclose(a[1], p[1], rtol=1e-2) for a, p in scales)      # the values' range moved
+
+
+@pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_round_to_nearest_skips_the_searches(tiny_models, algo):
+    """quantize_model(round_to_nearest=True) (random-weight benchmarks) fills the same grids by plain rounding:
+    no AWQ scales folded into the norms, every matrix exactly its own round-to-nearest quantization."""
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    config = QuantConfig(algo, group_size=32, has_zero_point=algo == "W4A16_AWQ")
+    quantized = quantize_model(model, config, calib_size=2, quiet=True, round_to_nearest=True)
+    for name, w in model.weights.items():
+        if name.endswith("proj.weight"):
+            base = name[:-len(".weight")]
+            expected = _params(algo, w, 32)
+            for key, tensor in expected.items():
+                assert torch.equal(quantized.weights[f"{base}.{key}"].float(), tensor.float()), (base, key)
+        elif "norm" in name:
+            assert torch.equal(quantized.weights[name], w), name

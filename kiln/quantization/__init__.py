@@ -108,14 +108,16 @@ def _linear_groups(config) -> list[tuple[str, list[str], str | None]]:
 
 
 def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size: int = 16,
-                   quiet: bool = False) -> PretrainedModel:
-    """A copy of `model` with its weights (and KV-cache scales) quantized as `quant_config` says."""
+                   quiet: bool = False, round_to_nearest: bool = False) -> PretrainedModel:
+    """A copy of `model` with its weights (and KV-cache scales) quantized as `quant_config` says.
+    `round_to_nearest` skips AWQ's and GPTQ's searches (same layout and scales format, worse accuracy): for
+    random-weight benchmark models, where there is nothing to calibrate for."""
     if model.config.quantization.enabled:
         raise ValueError("the model is already quantized")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
     sequences = calibration_tokens(model, calib_size)
     algo = quant_config.quant_algo
-    sequential = algo in SEQUENTIAL_ALGOS
+    sequential = algo in SEQUENTIAL_ALGOS and not round_to_nearest
     stats = None
     if quant_config.needs_calibration and (quant_config.static_activations or not sequential):
         stats = calibrate(model, sequences, quiet)
