@@ -30,6 +30,8 @@ OUT = os.environ.get("OUT", "/tmp")
 
 def log(key, value):
     RESULTS[key] = value
+    with open(os.path.join(OUT, "suite.jsonl"), "a") as f:          # kept if the run is cut short
+        f.write(json.dumps({key: value}, default=str) + "\n")
     print(f"{key:48s} {json.dumps(value) if not isinstance(value, str) else value}", flush=True)
 
 
@@ -377,6 +379,59 @@ def quant_fp8_throughput(args):
         log("quant_FP8_throughput_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
         if args.profile:
             _profile_fp8_decode(llm)
+
+
+def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None) -> float:
+    """Batch-1 decode tok/s (median TPOT) of the 8B shape, bf16 or weight-only quantized (round to nearest)."""
+    from kiln.config import QuantConfig
+    build = bench.default_bench_build("latency", 128, new_tokens, 1)
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
+                                 quant_config=QuantConfig(quant_algo=algo) if algo else None)
+    with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
+        outputs = []
+        for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
+            out, _ = bench.run_requests(llm, [prompt], new_tokens)
+            if i:
+                outputs += out
+        result = bench.summarize("latency", "llama-3.1-8b", algo or "bf16", outputs, 1.0, 128, new_tokens)
+        if profile:
+            _profile_decode(llm, profile)
+    del engine
+    torch.cuda.empty_cache()
+    return round(1e3 / result.tpot_ms["p50"], 1)
+
+
+@phase
+def pdl(args):
+    """Batch-1 decode with programmatic dependent launch off and on (bf16, W8A16, W4A16_AWQ g128)."""
+    from kiln.kernels import triton_kernels as tk
+    log("pdl_available", tk.gdc_wait is not None)
+    for algo in (None, "W8A16", "W4A16_AWQ"):
+        for enabled in (False, True):
+            tk.PDL_ENABLED = enabled
+            name = f"pdl_{'on' if enabled else 'off'}_{algo or 'bf16'}"
+            log(f"{name}_bs1_tok_s", _decode_tok_s(algo, profile=name if args.profile and enabled else None))
+    tk.PDL_ENABLED = None
+
+
+@phase
+def fp8_overlap(args):
+    """FP8 per-token 128/128 throughput with overlapped steps; use_fast_accum off and on."""
+    from kiln.config import QuantConfig
+    from kiln.kernels import triton_kernels as tk
+    build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
+                                 quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
+    for fast in (False, True):
+        tk.FP8_FAST_ACCUM = fast
+        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
+                 enable_trt_overlap=True) as llm:
+            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+            log(f"fp8_overlap_fast_accum_{fast}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
+            if args.profile and fast:
+                _profile_fp8_decode(llm)
+    tk.FP8_FAST_ACCUM = False
 
 
 def quant(args):

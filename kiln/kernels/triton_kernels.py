@@ -4,31 +4,72 @@ Shapes follow the reference: packed tokens (T, ·), KV cache per layer (2, num_b
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                                   # Triton < 3.4: no programmatic dependent launch
+    gdc_launch_dependents = gdc_wait = None
+
+
+# --- programmatic dependent launch (Hopper) ------------------------------------------------------------------
+# Every kernel here is launched with launch_pdl on sm_90+, so it may start while the kernel before it is still
+# running (inside CUDA graphs too): its programs are resident when the previous grid ends, and the decode GEMV
+# has its first weight loads in flight. `_wait_for_inputs` (griddepcontrol.wait) must therefore come before any
+# load of what an earlier kernel wrote and before any store; loads of constant weights may precede it.
+# KILN_PDL=0 turns it off.
+PDL_ENABLED: bool | None = None       # None: decided on first use (a module attribute, so benchmarks can flip it)
+
+
+def _pdl() -> bool:
+    global PDL_ENABLED
+    if PDL_ENABLED is None:
+        PDL_ENABLED = (gdc_wait is not None and os.environ.get("KILN_PDL", "1") != "0"
+                       and os.environ.get("TRITON_INTERPRET", "0") == "0" and torch.cuda.is_available()
+                       and torch.cuda.get_device_capability()[0] >= 9)
+    return PDL_ENABLED
+
+
+def _launch() -> dict:
+    """Launch options of every kernel: PDL (the constexpr) and launch_pdl, together."""
+    return {"PDL": True, "launch_pdl": True} if _pdl() else {"PDL": False}
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """Wait until the kernels before this one have finished and their writes are visible, then let the next kernel
+    start launching."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
 
 # --- RMSNorm (+ residual add) --------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    _wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         tl.store(res_ptr + row * n_cols + cols, x, mask=mask)          # the new residual, in place
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, w * (xf * inv).to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[-1], eps, HAS_RES=False,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8)
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8, **_launch())
     return out
 
 
@@ -36,13 +77,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(rms_norm(x + residual), x + residual); the sum is written into `residual`."""
     out = torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[-1], eps, HAS_RES=True,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8)
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8, **_launch())
     return out, residual
 
 
 # --- SiLU(gate) * up -----------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -56,7 +98,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, num_warps=4, **_launch())
     return out
 
 
@@ -76,8 +118,9 @@ def _to_cache(x, scale, cache_ptr, KV_QUANT: tl.constexpr):
 @triton.jit
 def _rope_and_cache_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, cache_half, kv_scale_ptr,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, KV_QUANT: tl.constexpr):
+                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, KV_QUANT: tl.constexpr, PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, its k heads into the cache, copy its v heads."""
+    _wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     dim = 2 * HALF
     row = qkv_ptr + token * (HEADS + 2 * KV_HEADS) * dim
@@ -130,7 +173,8 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                                       cos_sin if kv_scale is None else kv_scale,
                                       HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
                                       HEADS_PAD=triton.next_power_of_2(heads),
-                                      KV_PAD=triton.next_power_of_2(kv_heads), KV_QUANT=_kv_quant(kv_cache), num_warps=4)
+                                      KV_PAD=triton.next_power_of_2(kv_heads), KV_QUANT=_kv_quant(kv_cache), num_warps=4,
+                                      **_launch())
     return q
 
 
@@ -141,7 +185,7 @@ def _paged_attention_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr, scale, window, kv_scale_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
-        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K)."""
@@ -209,8 +253,9 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
-                  DIM: tl.constexpr):
+                  DIM: tl.constexpr, PDL: tl.constexpr):
     """Combine the per-partition softmax statistics of one (token, head) row."""
+    _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, PARTS_PAD)
     real = parts < NUM_PARTS
@@ -255,10 +300,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
         DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
         NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **_launch())
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
-                                         PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4)
+                                         PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4,
+                                         **_launch())
     return out
 
 
@@ -323,8 +369,10 @@ def _column_offset(k, BITS: tl.constexpr, INTERLEAVED: tl.constexpr):
 def _weight_only_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, GROUPS,
                                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
                                INTERLEAVED: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr):
     """out (M, N) = x (M, K) @ dequant(w)^T, dequantizing int8 or packed int4 weights tile by tile."""
+    _wait_for_inputs(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -368,7 +416,7 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     _weight_only_matmul_kernel[grid](x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, m, n, k,
                                      groups, BITS=bits, HAS_ZERO=zero is not None, GROUP=group,
                                      INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
-                                     num_warps=4, num_stages=3)
+                                     num_warps=4, num_stages=3, **_launch())
     return out
 
 
@@ -432,7 +480,7 @@ def _store_row(out_ptr, acc, n, n_ok, row_scale):
 def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_WORDS, GROUPS,
                              BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """out (ROWS ≤ 4, N) = x @ dequant(w)^T on interleaved words (w viewed as int32, ROW_WORDS per row). Each program
     streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
@@ -451,7 +499,8 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
     acc2 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     kw0 = tl.arange(0, W)
-    words = _load_words(w_rows, kw0, n_ok, ROW_WORDS, EVEN)
+    words = _load_words(w_rows, kw0, n_ok, ROW_WORDS, EVEN)      # in flight while the kernel before finishes
+    _wait_for_inputs(PDL)
     for b0 in range(0, num_blocks, BLOCKS):
         kw = 4 * b0 + kw0
         if PREFETCH:                                             # the next blocks' loads fly during this math
@@ -555,15 +604,16 @@ def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x.contiguous(), weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, n, k,
         k * bits // 32, groups, BITS=bits, HAS_ZERO=zero is not None,
         GROUP=0 if groups == 1 else int4_group_size(k, groups), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
-        PREFETCH=prefetch, num_warps=blocks // 32)
+        PREFETCH=prefetch, num_warps=blocks // 32, **_launch())
     return out
 
 
 # --- FP8 activations -------------------------------------------------------------------------------------------
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, smoother_ptr, static_ptr, q_ptr, scale_ptr, K,
-                         HAS_SMOOTHER: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_SMOOTHER: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: (x / smoother) / scale → e4m3, scale = the row's largest magnitude / 448 (or the static scale)."""
+    _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < K
@@ -590,8 +640,11 @@ def quantize_fp8_rows(x: torch.Tensor, smoother: torch.Tensor | None = None,
     _quantize_fp8_kernel[(m,)](x.contiguous(), x if smoother is None else smoother,
                                x if static_scale is None else static_scale, q, scale, k,
                                HAS_SMOOTHER=smoother is not None, STATIC=static_scale is not None, BLOCK=block,
-                               num_warps=min(16, max(4, block // 1024)))
+                               num_warps=min(16, max(4, block // 1024)), **_launch())
     return q, scale
+
+
+FP8_FAST_ACCUM = False    # cuBLAS's FP8 fast accumulation (no periodic promotion to float32); measured, not default
 
 
 def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
@@ -611,7 +664,7 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     elif algo.startswith("FP8"):
         qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
         out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
-                               out_dtype=x.dtype)
+                               out_dtype=x.dtype, use_fast_accum=FP8_FAST_ACCUM)
     elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
         xs = x.float() / params["smoother"] if "smoother" in params else x.float()
         static = params.get("input_scale")
