@@ -1,0 +1,186 @@
+"""kernels/triton_weight_only.py (weight-only W4A16/W8A16 products of more rows than the decode GEMV takes) against a
+float64 product of the dequantized weight (kernels/quant.py): under Triton's interpreter on the CPU (in a process of
+their own, since TRITON_INTERPRET must be set before Triton is imported) and compiled on real 8B shapes (gpu)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kiln.kernels import quant
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in its own process with TRITON_INTERPRET=1")
+
+# algo, group (None: per channel)
+FORMATS = [("W8A16", None), ("W4A16", None), ("W4A16_AWQ", None), ("W4A16", 64), ("W4A16_AWQ", 64),
+           ("W4A16", 128), ("W4A16_AWQ", 128)]
+
+
+def test_interpreted_kernels_in_a_process_of_their_own():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("already interpreted")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+                           __file__],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _params(algo: str, w: torch.Tensor, group: int | None) -> dict:
+    if algo == "W8A16":
+        q, s = quant.quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    packed, s, z = quant.quantize_int4(w, group, algo == "W4A16_AWQ")
+    return {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
+
+
+def _case(algo: str, group: int | None, n: int, k: int, m: int, dtype, device="cpu", seed=0):
+    """(x, params, bits, float64 reference product) for a random layer; x has a mean away from 0, as activations
+    have (zero points then matter)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    params = _params(algo, torch.randn(n, k, generator=g, device=device), group)
+    x = (torch.rand(m, k, generator=g, device=device) * 2 - 0.5).to(dtype)
+    ref = x.double() @ quant.dequantize_weight(algo, params).double().T
+    return x, params, 8 if algo == "W8A16" else 4, ref
+
+
+def _layouts(params: dict, bits: int):
+    """(interleaved, weight) for the engine layout and, where K allows it, the interleaved one."""
+    from kiln.kernels.triton_kernels import _block_columns, interleave_weight
+
+    yield False, params["weight"]
+    if (params["weight"].shape[1] * 8 // bits) % _block_columns(bits) == 0:
+        yield True, interleave_weight(params["weight"], bits)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+# float32 x: the products are exact and the sums float32; fp16 x: the output's rounding (2^-11) dominates
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, group", FORMATS)
+def test_interpreted_tiled_kernel_matches_the_reference(algo, group):
+    """544 columns: 4.25 groups of 128 and 8.5 of 64 (a short last group) and no whole number of 64- or 128-column
+    steps; 80 rows: a partial tile of weight rows; 300 rows of x: several partial tiles of them."""
+    from kiln.kernels import triton_weight_only as wo
+
+    for m, dtype in ((5, torch.float16), (17, torch.float32), (64, torch.float16), (300, torch.float16)):
+        x, params, bits, ref = _case(algo, group, 80, 544, m, dtype, seed=m)
+        for interleaved, weight in _layouts(params, bits):
+            out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
+            assert out.dtype == dtype and _rel(out, ref) < TOLERANCE[dtype], (m, interleaved, _rel(out, ref))
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16_AWQ", 128), ("W4A16", None)])
+@pytest.mark.parametrize("unpack", ["GATHER", "PLANES", "RESHAPE"])
+def test_interpreted_unpacking_and_split_k_variants(algo, group, unpack):
+    from kiln.kernels import triton_weight_only as wo
+
+    x, params, bits, ref = _case(algo, group, 48, 544, 9, torch.float32, seed=1)
+    for interleaved, weight in _layouts(params, bits):
+        for split in (1, 3):
+            config = wo.MmaConfig(block_n=32, block_m=16, block_k=128, unpack=getattr(wo, unpack), split=split)
+            out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved,
+                                  config)
+            assert _rel(out, ref) < TOLERANCE[torch.float32], (interleaved, split, _rel(out, ref))
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16", None), ("W4A16_AWQ", 32), ("W4A16", 16)])
+@pytest.mark.parametrize("k", [40, 36, 38])
+def test_interpreted_engine_layout_of_widths_without_whole_blocks(algo, group, k):
+    """Rows of whole int32 words (40 columns) or not (int4 36, int8 38): read as words or bytes; groups of 16 and
+    32 make 16- and 32-column steps."""
+    from kiln.kernels import triton_weight_only as wo
+
+    if algo != "W8A16" and k % 2:
+        pytest.skip("int4 needs an even width")
+    x, params, bits, ref = _case(algo, group, 24, k, 7, torch.float32, seed=k)
+    out = wo.weight_only_matmul(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
+    assert _rel(out, ref) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, group", FORMATS)
+def test_interpreted_dequantize_is_the_reference_matrix(algo, group):
+    from kiln.kernels import triton_weight_only as wo
+
+    x, params, bits, ref = _case(algo, group, 40, 544, 6, torch.float32)
+    matrix = quant.dequantize_weight(algo, params)
+    for interleaved, weight in _layouts(params, bits):
+        w = wo.dequantize(weight, params["weight_scale"], params.get("weight_zero"), bits, 544, interleaved,
+                          torch.float32)
+        assert torch.allclose(w, matrix, rtol=1e-6, atol=1e-7), interleaved
+        out = wo.dequantized_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
+        assert _rel(out, ref) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", 16)])
+def test_interpreted_weight_only_matmul_picks_a_path(algo, group):
+    """By rows (DEQUANTIZE_MIN_ROWS), and groups of 16 interleaved (narrower than a block) dequantized."""
+    from kiln.kernels import triton_weight_only as wo
+
+    for m in (5, wo.DEQUANTIZE_MIN_ROWS):
+        x, params, bits, ref = _case(algo, group, 40, 544, m, torch.float16, seed=m)
+        for interleaved, weight in _layouts(params, bits):
+            out = wo.weight_only_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
+                                        interleaved)
+            assert out.shape == (m, 40) and _rel(out, ref) < TOLERANCE[torch.float16], (m, interleaved)
+
+
+# --- compiled, on the Llama-3.1-8B shapes ------------------------------------------------------------------------
+GPU_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", 128), ("W8A16", None)])
+@pytest.mark.parametrize("n, k", GPU_SHAPES)
+def test_gpu_weight_only_matmul_on_8b_shapes(algo, group, n, k):
+    """bf16 x: the tiled kernel rounds only its output, dequantize + cuBLAS also the weight, to bf16."""
+    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton_kernels import interleave_weight
+
+    for m in (8, 64, 128, 512):
+        x, params, bits, ref = _case(algo, group, n, k, m, torch.bfloat16, device="cuda", seed=m)
+        weight = interleave_weight(params["weight"], bits)
+        args = (weight, params["weight_scale"], params.get("weight_zero"), bits, True)
+        for name, fn in (("public", wo.weight_only_matmul), ("tiled", wo.tiled_matmul),
+                         ("dequantized", wo.dequantized_matmul)):
+            out = fn(x, *args)
+            assert out.dtype == torch.bfloat16 and _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, name, _rel(out, ref))
+        del x, params, ref
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 64), ("W4A16", None), ("W8A16", None)])
+def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
+    """1000 × 2080 (a short last group, no whole 128-column step, a partial tile of rows), engine layout and
+    interleaved, every unpacking, split-K on and off."""
+    from kiln.kernels import triton_weight_only as wo
+
+    for m in (5, 33, 300):
+        x, params, bits, ref = _case(algo, group, 1000, 2080, m, torch.bfloat16, device="cuda", seed=m)
+        for interleaved, weight in _layouts(params, bits):
+            for unpack in (wo.GATHER, wo.PLANES, wo.RESHAPE):
+                for split in (1, 4):
+                    config = wo.MmaConfig(block_n=64, block_m=32, unpack=unpack, split=split)
+                    if not wo.mma_supported(bits, group or 0, interleaved, config):
+                        continue
+                    out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
+                                          interleaved, config)
+                    assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved, unpack, split)
+            out = wo.dequantized_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
+            assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved)
