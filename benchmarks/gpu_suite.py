@@ -416,14 +416,13 @@ def pdl(args):
 
 @phase
 def fp8_overlap(args):
-    """FP8 per-token 128/128 throughput with overlapped steps; use_fast_accum off and on."""
+    """FP8 per-token 128/128 throughput with overlapped steps; fast accumulation off and on."""
     from kiln.config import QuantConfig
-    from kiln.kernels import triton_kernels as tk
     build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
     for fast in (False, True):
-        tk.FP8_FAST_ACCUM = fast
+        engine.build_config.plugin_config.fp8_fast_accumulation = fast
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
                  enable_trt_overlap=True) as llm:
             bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
@@ -431,7 +430,6 @@ def fp8_overlap(args):
             log(f"fp8_overlap_fast_accum_{fast}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
             if args.profile and fast:
                 _profile_fp8_decode(llm)
-    tk.FP8_FAST_ACCUM = False
 
 
 def quant(args):

@@ -46,11 +46,12 @@ class ReferenceOps:
 class TritonOps(ReferenceOps):
     name = "triton"
 
-    def __init__(self, context_fmha: bool = True):
+    def __init__(self, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
         from . import triton_kernels
 
         self._k = triton_kernels
         self.context_fmha = context_fmha
+        self.fp8_fast_accumulation = fp8_fast_accumulation
         self.rms_norm = triton_kernels.rms_norm
         self.add_rms_norm = triton_kernels.add_rms_norm
         self.silu_and_mul = triton_kernels.silu_and_mul
@@ -67,18 +68,18 @@ class TritonOps(ReferenceOps):
                                        part_tokens=meta.part_tokens, kv_scale=kv_scale)
 
     def quant_linear(self, x, algo, params, bias=None):
-        return self._k.quant_linear(x, algo, params, bias)
+        return self._k.quant_linear(x, algo, params, bias, self.fp8_fast_accumulation)
 
     def pack_quant(self, algo: str, params: dict):
         return self._k.pack_quant(algo, params)
 
 
-def select_ops(device: torch.device | str, context_fmha: bool = True):
+def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
     """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced."""
     if torch.device(device).type != "cuda":
         return ReferenceOps()
     try:
-        return TritonOps(context_fmha)
+        return TritonOps(context_fmha, fp8_fast_accumulation)
     except ImportError as err:
         print(f"kiln: Triton is not available ({err}); using the reference kernels on the GPU", file=sys.stderr)
         return ReferenceOps()

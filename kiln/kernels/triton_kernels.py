@@ -217,6 +217,12 @@ def _paged_attention_kernel(
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
+    if KV_QUANT > 0:
+        # A quantized cache is multiplied as it is stored (int8 and e4m3 convert exactly to fp16, one instruction
+        # per value pair) with its scales applied once: the key scale to the scores, the value scale to the output.
+        scale = scale * tl.load(kv_scale_ptr)
+        if q.dtype != tl.float32:
+            q = q.to(tl.float16)
     t = tl.arange(0, TILE)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     for start in range(first, stop, TILE):
@@ -226,9 +232,9 @@ def _paged_attention_kernel(
         kv_offsets = ((block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head)[:, None] * DIM + d[None, :]
         k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
         v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0)
-        if KV_QUANT > 0:                                              # dequantize the cached keys and values
-            k = (k.to(tl.float32) * tl.load(kv_scale_ptr)).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(kv_scale_ptr + 1)).to(q.dtype)
+        if KV_QUANT > 0:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
@@ -241,6 +247,8 @@ def _paged_attention_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if KV_QUANT > 0:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_PARTS == 1:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + q_rows[:, None] * DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -644,12 +652,10 @@ def quantize_fp8_rows(x: torch.Tensor, smoother: torch.Tensor | None = None,
     return q, scale
 
 
-FP8_FAST_ACCUM = False    # cuBLAS's FP8 fast accumulation (no periodic promotion to float32); measured, not default
-
-
-def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
+                 fp8_fast_accumulation: bool = True) -> torch.Tensor:
     """Quantized linear layers on the GPU: Triton for weight-only int8/int4, FP8 activations quantized by one Triton
-    kernel into torch._scaled_mm, torch._int_mm for W8A8 (the reference where a product's shape is below those
+    kernel into torch._scaled_mm (fast accumulation as the build chose), torch._int_mm for W8A8 (the reference where a product's shape is below those
     kernels' minimums)."""
     from . import quant
 
@@ -664,7 +670,7 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     elif algo.startswith("FP8"):
         qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
         out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
-                               out_dtype=x.dtype, use_fast_accum=FP8_FAST_ACCUM)
+                               out_dtype=x.dtype, use_fast_accum=fp8_fast_accumulation)
     elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
         xs = x.float() / params["smoother"] if "smoother" in params else x.float()
         static = params.get("input_scale")
