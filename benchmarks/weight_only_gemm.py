@@ -36,7 +36,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROWS = [8, 16, 32, 64, 128, 512, 2048]
 FORMATS = {"W4A16_g128_zero": (4, 128, True), "W8A16": (8, None, False)}   # bits, group, zero points
 TOLERANCE = 1e-2                                                        # relative (Frobenius) error, bf16 x
-UNPACK_NAMES = {wo.GATHER: "gather", wo.PLANES: "planes", wo.RESHAPE: "reshape"}
+UNPACK_NAMES = {wo.GATHER: "gather", wo.PLANES: "planes", wo.RESHAPE: "reshape", wo.RESHAPE_INNER: "inner"}
 
 
 def sweep(m: int, quick: bool) -> list[wo.MmaConfig]:
@@ -49,19 +49,20 @@ def sweep(m: int, quick: bool) -> list[wo.MmaConfig]:
     configs = []
     for block_m in block_ms:
         for block_n in (64, 128):
-            for unpack in (wo.GATHER, wo.PLANES, wo.RESHAPE):
+            for unpack in UNPACK_NAMES:
                 configs.append(wo.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack))
                 if block_m >= 64 and block_n == 128:
                     configs.append(wo.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack, num_warps=8))
-        if m <= 64:
-            configs += [wo.MmaConfig(block_n=64, block_m=block_ms[0], unpack=u, split=1) for u in UNPACK_NAMES]
-            configs += [wo.MmaConfig(block_n=64, block_m=block_ms[0], unpack=u, split=8) for u in UNPACK_NAMES]
+        if m <= 64:                                 # memory-bound: fewer programs, more loads in flight
+            configs += [wo.MmaConfig(block_n=64, block_m=block_m, unpack=u, split=1) for u in UNPACK_NAMES]
+            configs += [wo.MmaConfig(block_n=n, block_m=block_m, unpack=u, num_stages=5) for n in (64, 128)
+                        for u in UNPACK_NAMES]
     return configs
 
 
 def describe(config: wo.MmaConfig) -> str:
     return (f"n{config.block_n}m{config.block_m}k{config.block_k}/{UNPACK_NAMES[config.unpack]}"
-            f"/s{config.split or 'auto'}/w{config.num_warps}")
+            f"/s{config.split or 'auto'}/w{config.num_warps}/st{config.num_stages}")
 
 
 # --- inputs ------------------------------------------------------------------------------------------------------

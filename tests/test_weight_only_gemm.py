@@ -83,7 +83,7 @@ def test_interpreted_tiled_kernel_matches_the_reference(algo, group):
 
 @interpreted_only
 @pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16_AWQ", 128), ("W4A16", None)])
-@pytest.mark.parametrize("unpack", ["GATHER", "PLANES", "RESHAPE"])
+@pytest.mark.parametrize("unpack", ["GATHER", "PLANES", "RESHAPE", "RESHAPE_INNER"])
 def test_interpreted_unpacking_and_split_k_variants(algo, group, unpack):
     from kiln.kernels import triton_weight_only as wo
 
@@ -174,7 +174,7 @@ def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
     for m in (5, 33, 300):
         x, params, bits, ref = _case(algo, group, 1000, 2080, m, torch.bfloat16, device="cuda", seed=m)
         for interleaved, weight in _layouts(params, bits):
-            for unpack in (wo.GATHER, wo.PLANES, wo.RESHAPE):
+            for unpack in (wo.GATHER, wo.PLANES, wo.RESHAPE, wo.RESHAPE_INNER):
                 for split in (1, 4):
                     config = wo.MmaConfig(block_n=64, block_m=32, unpack=unpack, split=split)
                     if not wo.mma_supported(bits, group or 0, interleaved, config):

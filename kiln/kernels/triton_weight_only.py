@@ -26,7 +26,7 @@ import triton.language as tl
 # benchmarks/weight_only_gemm.py on the GPU).
 DEQUANTIZE_MIN_ROWS = 256
 
-GATHER, PLANES, RESHAPE = 0, 1, 2     # how a tile's levels are unpacked (MmaConfig.unpack)
+GATHER, PLANES, RESHAPE, RESHAPE_INNER = 0, 1, 2, 3     # how a tile's levels are unpacked (MmaConfig.unpack)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class MmaConfig:
     """Tile of the tensor-core kernel: BLOCK_N weight rows × BLOCK_M rows of x per program, BLOCK_K columns a step
     (at most the group). split: programs sharing one tile's K (0: enough to fill the GPU). unpack: GATHER loads each
     unit once per value it holds (cached) into one (BLOCK_N, BLOCK_K) tile; PLANES loads units once and runs one
-    dot per value plane; RESHAPE loads once and reshapes the planes into one tile."""
+    dot per value plane; RESHAPE loads once and reshapes (rows, values, units) into one tile, RESHAPE_INNER
+    (rows, units, values): each unit's values side by side."""
     block_n: int = 64
     block_m: int = 16
     block_k: int = 128
@@ -109,16 +110,23 @@ def _tile_product(x_ptr, w_rows, rm, k0, K, ROW_UNITS, BITS: tl.constexpr, VALS:
             part = tl.dot(w, x, part, input_precision=PRECISION)
             x_sum += tl.sum(x.to(tl.float32), axis=0)
         return part, x_sum
-    t = tl.arange(0, BLOCK_K)                             # tile position t holds value t // KU of unit t % KU
-    x = _load_x(x_ptr, rm, k0 + _tile_columns(t % KU, t // KU, VALS, INTERLEAVED), K, EVEN_K)
+    t = tl.arange(0, BLOCK_K)
+    if UNPACK == 3:                                       # tile position t holds value t % VALS of unit t // VALS
+        x = _load_x(x_ptr, rm, k0 + _tile_columns(t // VALS, t % VALS, VALS, INTERLEAVED), K, EVEN_K)
+    else:                                                 # value t // KU of unit t % KU
+        x = _load_x(x_ptr, rm, k0 + _tile_columns(t % KU, t // KU, VALS, INTERLEAVED), K, EVEN_K)
     if UNPACK == 0:                                       # GATHER
-        levels = _levels(_load_units(w_rows, unit0 + (t % KU)[None, :], ROW_UNITS, EVEN_K), (t // KU)[None, :], BITS)
-    else:                                                 # RESHAPE
+        units = _load_units(w_rows, unit0 + (t % KU)[None, :], ROW_UNITS, EVEN_K)
+        w = _as_float(_levels(units, (t // KU)[None, :], BITS), OFFSET, dtype)
+    else:                                                 # converted before the reshape: half the bytes to move
         u = tl.arange(0, KU)
         j = tl.arange(0, VALS)
         units = _load_units(w_rows, unit0 + u[None, :], ROW_UNITS, EVEN_K)
-        levels = tl.reshape(_levels(units[:, None, :], j[None, :, None], BITS), [BLOCK_N, BLOCK_K])
-    w = _as_float(levels, OFFSET, dtype)
+        if UNPACK == 2:
+            w = _as_float(_levels(units[:, None, :], j[None, :, None], BITS), OFFSET, dtype)
+        else:
+            w = _as_float(_levels(units[:, :, None], j[None, None, :], BITS), OFFSET, dtype)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
     return tl.dot(w, x, input_precision=PRECISION), tl.sum(x.to(tl.float32), axis=0)
 
 
@@ -155,7 +163,8 @@ def _weight_only_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
                                     UNPACK, EVEN_K, PRECISION, BLOCK_N, BLOCK_M, BLOCK_K)
         if GROUP == 0:
             acc += part
-            x_total += x_sum
+            if HAS_ZERO:                                    # (a loop-carried sum would stay even if unused)
+                x_total += x_sum
         else:
             at = rn_safe * GROUPS + k0 // GROUP
             scale = tl.load(scale_ptr + at)[:, None]
