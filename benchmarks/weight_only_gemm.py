@@ -15,6 +15,7 @@ are compiled first by --compile_workers processes in parallel (Triton's disk cac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -145,11 +146,13 @@ def compile_share(args, worker: int, workers: int) -> None:
         bits, group, zero = FORMATS[fmt]
         try:
             weights = quantized_weights(256, 4096, bits, group, zero, 1)
-            x = torch.randn((max(5, config.block_m - 3), 4096), device=DEVICE, dtype=torch.bfloat16)
+            x = torch.randn((max(5, config.block_m - 3), 4096), device=DEVICE, dtype=X_DTYPE[DEVICE])
             ref = x.double() @ reference_matrix(*weights[0], bits).T
-            out = wo.tiled_matmul(x, *weights[0], bits, True, config)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            error = None if err < TOLERANCE else f"relative error {err:.2e}"
+            error = None
+            for split in {1, config.split or 2}:                # float32 partial sums or x's dtype out: 2 kernels
+                out = wo.tiled_matmul(x, *weights[0], bits, True, dataclasses.replace(config, split=split))
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                error = error or (None if err < TOLERANCE else f"relative error {err:.2e} (split {split})")
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         print(json.dumps([fmt, describe(config), error]), flush=True)
