@@ -179,6 +179,33 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 
 
 # --- attention over the paged cache --------------------------------------------------------------------------
+# Four cached int8 or e4m3 values of one int32 word → four fp16 values ($0..$3, in column order). int8: each byte,
+# sign flipped, becomes the low byte of the fp16 1024 + (q + 128), then 1152 is subtracted; e4m3: two
+# cvt.rn.f16x2.e4m3x2. Both are exact.
+_INT8_WORD_TO_FP16 = tl.constexpr(
+    "{ .reg .b32 u, a, b, c; xor.b32 u, $4, 0x80808080; prmt.b32 a, u, 0x64646464, 0x4140; "
+    "prmt.b32 b, u, 0x64646464, 0x4342; mov.b32 c, 0x64806480; sub.f16x2 a, a, c; sub.f16x2 b, b, c; "
+    "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+_FP8_WORD_TO_FP16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+    "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+
+
+@triton.jit
+def _cache_words_to_fp16(words, KV_QUANT: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr):
+    """(TILE, DIM/4) int32 words of a quantized cache → (TILE, DIM) fp16, converted in registers in the layout the
+    words were loaded in, so that the tile reaches the tensor cores through shared memory as 16-bit values (an
+    8-bit tile read transposed from shared memory goes a byte at a time)."""
+    if KV_QUANT == 1:
+        asm: tl.constexpr = _INT8_WORD_TO_FP16
+    else:
+        asm: tl.constexpr = _FP8_WORD_TO_FP16
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r", [words],
+                                               dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [TILE, DIM])
+
+
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
@@ -224,17 +251,22 @@ def _paged_attention_kernel(
         if q.dtype != tl.float32:
             q = q.to(tl.float16)
     t = tl.arange(0, TILE)
+    w = tl.arange(0, DIM // 4)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     for start in range(first, stop, TILE):
         kv_pos = start + t
         in_range = kv_pos < stop
         block = tl.load(table + kv_pos // BLOCK_TOKENS, mask=in_range, other=0).to(tl.int64)
         kv_offsets = ((block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head)[:, None] * DIM + d[None, :]
-        k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
-        v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0)
-        if KV_QUANT > 0:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if KV_QUANT > 0 and q.dtype == tl.float16:                # read as words of four values
+            cached = (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head
+            words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cached[:, None] * (DIM // 4) + w[None, :]
+            k = _cache_words_to_fp16(tl.load(words, mask=in_range[:, None], other=0), KV_QUANT, TILE, DIM)
+            v = _cache_words_to_fp16(tl.load(words + cache_half // 4, mask=in_range[:, None], other=0), KV_QUANT,
+                                     TILE, DIM)
+        else:
+            k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
+            v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
