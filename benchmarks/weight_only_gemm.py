@@ -1,6 +1,6 @@
 """Weight-only products of more rows than the decode GEMV takes, on the Llama-3.1-8B shapes (one H200 run):
-the old tiled kernel (triton_kernels.weight_only_matmul), the tensor-core kernel (triton_weight_only.tiled_matmul,
-a sweep of tile configurations, the best reported), dequantize + cuBLAS, and cuBLAS bf16 on a float weight.
+the tensor-core kernel (triton_weight_only.tiled_matmul, a sweep of tile configurations, the best reported),
+dequantize + cuBLAS, and cuBLAS bf16 on a float weight.
 Every variant is checked against a float64 product of the dequantized weight. Prints one table; JSON to
 $OUT/weight_only_gemm.json (OUT defaults to /tmp).
 
@@ -40,10 +40,10 @@ TOLERANCE = 1e-2                                                        # relati
 UNPACK_NAMES = {wo.GATHER: "gather", wo.PLANES: "planes", wo.RESHAPE: "reshape", wo.RESHAPE_INNER: "inner"}
 
 
-def sweep(m: int, quick: bool) -> list[wo.MmaConfig]:
+def sweep(m: int, bits: int, quick: bool) -> list[wo.MmaConfig]:
     """Tile configurations tried at m rows (quick: the module's own choice only)."""
     if quick:
-        return [wo.mma_config(m)]
+        return [wo.mma_config(m, bits)]
     block_ms = [min(128, max(16, 1 << (m - 1).bit_length()))]
     if m >= 128:
         block_ms.append(64)
@@ -140,7 +140,7 @@ def compile_share(args, worker: int, workers: int) -> None:
     """Compile and check (format, config) pairs worker, worker + workers, ... on a small matrix with the 8B shapes'
     integer properties (K 4096, rows a multiple of 16), so that the disk cache then serves the real shapes; one
     JSON line per pair on stdout: null or the error (the main process skips those: a crash there would end it)."""
-    pairs = sorted({(f, c) for f in args.formats for m in args.rows for c in sweep(m, args.quick)},
+    pairs = sorted({(f, c) for f in args.formats for m in args.rows for c in sweep(m, FORMATS[f][0], args.quick)},
                    key=lambda p: (p[0], describe(p[1])))
     for fmt, config in pairs[worker::workers]:
         bits, group, zero = FORMATS[fmt]
@@ -192,13 +192,10 @@ def run_shape(args, fmt: str, shape: str, bf16_cache: dict, failed: dict) -> lis
         x = torch.randn((m, k), device=DEVICE, dtype=X_DTYPE[DEVICE])
         ref = x.double() @ matrix.T
         found = []
-        if m <= args.old_max_rows:                              # 4 copies: it is far from the copy rate
-            found.append(measure("old", lambda x, w, s, z: tk.weight_only_matmul(x, w, s, z, bits, True),
-                                 weights[:4], x, ref))
         found.append(measure("dequant+cublas", lambda x, w, s, z: wo.dequantized_matmul(x, w, s, z, bits, True),
                              weights, x, ref))
         found.append(_dequant_only(weights, bits, k, x))
-        for config in sweep(m, args.quick):
+        for config in sweep(m, bits, args.quick):
             if (fmt, describe(config)) in failed:           # failed before: not tried again
                 record = {"variant": "tiled", "error": "skipped: " + failed[fmt, describe(config)]}
             else:
@@ -253,7 +250,7 @@ def print_line(records, fmt, shape, m) -> None:
     failed = [r for r in records if r["variant"] == "tiled" and (r["format"], r["shape"], r["m"]) == (fmt, shape, m)
               and not r.get("ok")]
     tiled = f"{best['us']:.1f} {best['config']} err {best['err']:.0e}" if best else "none ok"
-    print(f"{fmt:16s} {shape:8s} {m:5d} | old {cell(records, fmt, shape, m, 'old'):>8s} | tiled {tiled:44s} | "
+    print(f"{fmt:16s} {shape:8s} {m:5d} | tiled {tiled:44s} | "
           f"deq+cublas {cell(records, fmt, shape, m, 'dequant+cublas'):>7s} (deq "
           f"{cell(records, fmt, shape, m, 'dequant_only')}) | bf16 {cell(records, fmt, shape, m, 'cublas_bf16'):>7s}"
           + (f" | {len(failed)} tiled configs failed" if failed else ""), flush=True)
@@ -311,7 +308,6 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--quick", action="store_true", help="only the module's own tile configuration")
-    p.add_argument("--old_max_rows", type=int, default=512, help="time the old kernel up to this many rows")
     p.add_argument("--compile_workers", type=int, default=min(12, os.cpu_count() or 1))
     p.add_argument("--compile_share", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dry_run", action="store_true", help="on the CPU under TRITON_INTERPRET=1, a tiny shape")

@@ -132,7 +132,7 @@ def test_interpreted_weight_only_matmul_picks_a_path(algo, group):
     """By rows (DEQUANTIZE_MIN_ROWS), and groups of 16 interleaved (narrower than a block) dequantized."""
     from kiln.kernels import triton_weight_only as wo
 
-    for m in (5, wo.DEQUANTIZE_MIN_ROWS):
+    for m in (5, wo.DEQUANTIZE_MIN_ROWS[4]):
         x, params, bits, ref = _case(algo, group, 40, 544, m, torch.float16, seed=m)
         for interleaved, weight in _layouts(params, bits):
             out = wo.weight_only_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,

@@ -388,79 +388,6 @@ def pack_quant(algo: str, params: dict) -> tuple[str, dict] | None:
 
 
 @triton.jit
-def _column_offset(k, BITS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """(byte within the row, bit shift) of column k."""
-    if BITS == 8:
-        if INTERLEAVED:
-            byte = (k // 16) * 16 + (k % 4) * 4 + (k % 16) // 4
-        else:
-            byte = k
-        shift = k * 0
-    elif INTERLEAVED:
-        byte = (k // 32) * 16 + (k % 4) * 4 + (k % 32) // 8
-        shift = ((k // 4) % 2) * 4
-    else:
-        byte = k // 2
-        shift = (k % 2) * 4
-    return byte, shift
-
-
-@triton.jit
-def _weight_only_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, GROUPS,
-                               BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                               INTERLEAVED: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr):
-    """out (M, N) = x (M, K) @ dequant(w)^T, dequantizing int8 or packed int4 weights tile by tile."""
-    _wait_for_inputs(PDL)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    row_bytes = K * BITS // 8
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0)
-        offset, shift = _column_offset(rk, BITS, INTERLEAVED)
-        raw = tl.load(w_ptr + rn[:, None].to(tl.int64) * row_bytes + offset[None, :],
-                      mask=n_ok[:, None] & (rk[None, :] < K), other=0)
-        if BITS == 8:
-            q = raw.to(tl.float32)
-        else:
-            q = ((raw >> shift[None, :].to(tl.uint8)) & 0xF).to(tl.float32)
-        group = k0 // GROUP
-        s = tl.load(scale_ptr + rn * GROUPS + group, mask=n_ok, other=0.0)[:, None]
-        if HAS_ZERO:
-            q = q - tl.load(zero_ptr + rn * GROUPS + group, mask=n_ok, other=0.0)[:, None]
-        elif BITS == 4:
-            q = q - 8.0
-        acc += tl.dot(x, tl.trans((q * s).to(x.dtype)))
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & n_ok[None, :])
-
-
-def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       bits: int, interleaved: bool = False) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    from .quant import int4_group_size
-
-    scale2d = scale.reshape(n, -1)
-    groups = scale2d.shape[1]
-    group = int4_group_size(k, groups)
-    block_k = min(64, group)
-    block_m = 16 if m <= 16 else 64
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-    _weight_only_matmul_kernel[grid](x.contiguous(), weight, scale2d, scale2d if zero is None else zero, out, m, n, k,
-                                     groups, BITS=bits, HAS_ZERO=zero is not None, GROUP=group,
-                                     INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
-                                     num_warps=4, num_stages=3, **_launch())
-    return out
-
-
-@triton.jit
 def _unpack(words, j: tl.constexpr, BITS: tl.constexpr):
     """Value j of every word, unsigned (int8 words arrive with each byte's sign flipped: q + 128), as the float
     v·2^(POS-149): its bits masked in place at bit POS form a subnormal float, which the FMA multiplies exactly
@@ -686,10 +613,11 @@ def quantize_fp8_rows(x: torch.Tensor, smoother: torch.Tensor | None = None,
 
 def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
                  fp8_fast_accumulation: bool = True) -> torch.Tensor:
-    """Quantized linear layers on the GPU: Triton for weight-only int8/int4, FP8 activations quantized by one Triton
-    kernel into torch._scaled_mm (fast accumulation as the build chose), torch._int_mm for W8A8 (the reference where a product's shape is below those
-    kernels' minimums)."""
-    from . import quant
+    """Quantized linear layers on the GPU: weight-only int8/int4 by the decode GEMV (≤ 4 rows) or
+    triton_weight_only (more), FP8 activations quantized by one Triton kernel into torch._scaled_mm (fast
+    accumulation as the build chose), torch._int_mm for W8A8 (the reference where a product's shape is below
+    those kernels' minimums)."""
+    from . import quant, triton_weight_only
 
     if algo == "W8A16" or algo.startswith("W4A16"):
         bits = 8 if algo == "W8A16" else 4
@@ -697,8 +625,8 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
         if interleaved and x.shape[0] <= GEMV_MAX_ROWS:
             out = weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
         else:
-            out = weight_only_matmul(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits,
-                                     interleaved)
+            out = triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
+                                                        params.get("weight_zero"), bits, interleaved)
     elif algo.startswith("FP8"):
         qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
         out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows from which weight_only_matmul dequantizes the weight to x's dtype and calls cuBLAS (set from
-# benchmarks/weight_only_gemm.py on the GPU).
-DEQUANTIZE_MIN_ROWS = 256
+# Rows from which weight_only_matmul dequantizes the weight to x's dtype and calls cuBLAS, per weight bits
+# (benchmarks/weight_only_gemm.py on the H200, 2026-12-01: int8 dequantize + cuBLAS wins from 512 rows on every
+# 8B shape and loses at 128; int4 wins at 2048 and loses at 512).
+DEQUANTIZE_MIN_ROWS = {4: 1024, 8: 256}
 
 GATHER, PLANES, RESHAPE, RESHAPE_INNER = 0, 1, 2, 3     # how a tile's levels are unpacked (MmaConfig.unpack)
 
@@ -253,13 +254,21 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-# (rows of x up to, MmaConfig): the first whose bound holds; set from benchmarks/weight_only_gemm.py on the GPU.
-MMA_CONFIGS = [(16, MmaConfig(block_n=64, block_m=16)), (32, MmaConfig(block_n=64, block_m=32)),
-               (64, MmaConfig(block_n=64, block_m=64)), (1 << 62, MmaConfig(block_n=128, block_m=64))]
+# Per weight bits, (rows of x up to, MmaConfig): the first whose bound holds. The fastest over the four 8B shapes
+# in benchmarks/weight_only_gemm.py on the H200 (2026-12-01; docs/quantization.md).
+MMA_CONFIGS = {
+    4: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
+        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
+        (64, MmaConfig(block_n=128, block_m=64, unpack=RESHAPE_INNER)),
+        (1 << 62, MmaConfig(block_n=128, block_m=128, unpack=RESHAPE, num_warps=8))],
+    8: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
+        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
+        (1 << 62, MmaConfig(block_n=128, block_m=64, unpack=PLANES, num_warps=8))],
+}
 
 
-def mma_config(m: int) -> MmaConfig:
-    return next(config for bound, config in MMA_CONFIGS if m <= bound)
+def mma_config(m: int, bits: int) -> MmaConfig:
+    return next(config for bound, config in MMA_CONFIGS[bits] if m <= bound)
 
 
 def _split(config: MmaConfig, tiles: int, steps: int, device: torch.device) -> int:
@@ -291,7 +300,7 @@ def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     """x (M, K) @ dequant(w)^T by the tensor-core kernel (the shape must pass mma_supported)."""
     m, k = x.shape
     n = weight.shape[0]
-    config = config or mma_config(m)
+    config = config or mma_config(m, bits)
     scale2d = scale.reshape(n, -1)
     group = _group(k, scale2d)
     units = _units(weight, interleaved)
@@ -341,8 +350,8 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """out (M, N) = x (M, K) @ dequant(w)^T in x's dtype, for int8 ((N, K)) or packed int4 ((N, K/2)) weights in the
     engine or the interleaved layout with float32 scales (and zero points) per row or group: the tensor-core
     kernel, or dequantize + cuBLAS from DEQUANTIZE_MIN_ROWS rows (and for groups too small for the kernel)."""
-    config = mma_config(x.shape[0])
+    config = mma_config(x.shape[0], bits)
     group = _group(x.shape[1], scale.reshape(weight.shape[0], -1))
-    if x.shape[0] >= DEQUANTIZE_MIN_ROWS or not mma_supported(bits, group, interleaved, config):
+    if x.shape[0] >= DEQUANTIZE_MIN_ROWS[bits] or not mma_supported(bits, group, interleaved, config):
         return dequantized_matmul(x, weight, scale, zero, bits, interleaved)
     return tiled_matmul(x, weight, scale, zero, bits, interleaved, config)
