@@ -246,6 +246,34 @@ def test_fp8_activation_quantization_kernel(static):
             assert ((q.float() - ref_q.float()).abs() <= ref_q.float().abs() / 8 + 2 ** -9)[differ].all()
 
 
+def test_norm_and_silu_kernels_with_fp8_output():
+    """The fused per-token e4m3 outputs of RMSNorm (± residual) and SiLU against the reference ops on the same bf16
+    inputs, and an FP8 per-token layer fed by them against the same layer quantizing its own input."""
+    from kiln.kernels import ReferenceOps
+    from kiln.kernels import quant
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for rows in (1, 37, 512):
+        x = (torch.randn((rows, 4096), generator=g, device=CUDA) * 2).bfloat16()
+        res = torch.randn((rows, 4096), generator=g, device=CUDA).bfloat16()
+        w = (torch.rand(4096, generator=g, device=CUDA) + 0.5).bfloat16()
+        gate_up = (torch.randn((rows, 2 * 14336), generator=g, device=CUDA) * 3).bfloat16()
+        fused, fused_res = tk.add_rms_norm_fp8(x, res.clone(), w, 1e-5)
+        ref, ref_res = ReferenceOps.add_rms_norm_fp8(x, res, w, 1e-5)
+        assert torch.equal(fused_res, ref_res)
+        for out, expected in ((fused, ref), (tk.rms_norm_fp8(x, w, 1e-5), ReferenceOps.rms_norm_fp8(x, w, 1e-5)),
+                              (tk.silu_and_mul_fp8(gate_up), ReferenceOps.silu_and_mul_fp8(gate_up))):
+            assert torch.allclose(out.scale, expected.scale, rtol=1e-2)
+            q, ref_q = out.values.float(), expected.values.float()
+            assert (q == ref_q).float().mean() > 0.95 and ((q - ref_q).abs() <= ref_q.abs() / 8 + 2 ** -9).all()
+        weight = torch.randn((1024, 4096), generator=g, device=CUDA)
+        wq, ws = quant.quantize_fp8(weight)
+        params = {"weight": wq, "weight_scale": ws}
+        plain = tk.quant_linear(reference.add_rms_norm(x, res, w, 1e-5)[0], "FP8_PER_CHANNEL_PER_TOKEN", params, None)
+        assert rel_err(tk.quant_linear(fused, "FP8_PER_CHANNEL_PER_TOKEN", params, None), plain) < 2e-2
+
+
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 def test_quantized_model_matches_the_cpu_path(algo):
     """A SmolLM2-shaped weight-only model in float32: CUDA-graph decode steps through the interleaved weights give

@@ -113,3 +113,32 @@ def test_moe_matches_per_token_loop():
             act = torch.nn.functional.silu(gu[:i]) * gu[i:]
             expected += weight * (down[expert].double() @ act)
         assert torch.allclose(out[n].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo, fused", [("FP8_PER_CHANNEL_PER_TOKEN", True), ("FP8", False)])
+def test_fp8_activations_quantized_by_the_kernel_that_makes_them(tiny_models, algo, fused):
+    """With per-token FP8 activations the norms and SiLU hand their layers e4m3 rows (quant.Fp8Rows): the flags are
+    set at load exactly where the layer takes such rows (not with static scales), and the logits equal those of
+    the same network quantizing inside each layer."""
+    from kiln.config import QuantConfig
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    model = quantize_model(model, QuantConfig(algo), calib_size=2, quiet=True)
+    logits = []
+    for keep in (True, False):
+        net = model.network_class.load(model.config, model.engine_weights(), 64)
+        layers = list(net.layers.values())
+        assert all(layer.input_norm.fp8_out == layer.post_attn_norm.fp8_out == layer.mlp.fp8_act == fused
+                   for layer in layers)
+        if not keep:
+            for layer in layers:
+                layer.input_norm.fp8_out = layer.post_attn_norm.fp8_out = layer.mlp.fp8_act = False
+        n, c = 20, model.config
+        t = torch.tensor
+        meta = AttentionMetadata(t(list(range(n))), t([0, n]), t([n]), t([[0, 1]]), n, n, 16)
+        caches = [torch.zeros((2, 2, 16, c.num_key_value_heads, c.head_dim)) for _ in layers]
+        with torch.inference_mode():
+            logits.append(net.compute_logits(net(t(list(range(3, 3 + n))), t(list(range(n))), meta, caches)))
+    assert torch.equal(logits[0], logits[1])

@@ -87,3 +87,25 @@ def test_interpreted_fp8_activation_quantization(interpreted):
         # the interpreter's e4m3 cast can drop the carry when it rounds up to a power of two (the GPU's does not)
         q, ref_q = q.float(), ref_q.float()
         assert torch.all((q == ref_q) | ((torch.frexp(ref_q)[0].abs() == 0.5) & (q == ref_q / 2)))
+
+
+def test_interpreted_norm_and_silu_with_fp8_output(interpreted):
+    """The RMSNorm (with and without the residual) and SiLU kernels' per-token e4m3 output: the same values and scales
+    as the reference ops (quant.Fp8Rows.of the unfused output); the residual sum as the unfused kernel's."""
+    from kiln.kernels import ReferenceOps
+
+    g = torch.Generator().manual_seed(5)
+    x, res, w = torch.randn(5, 96, generator=g) * 2, torch.randn(5, 96, generator=g), torch.rand(96, generator=g) + .5
+    gate_up = torch.randn(5, 2 * 80, generator=g) * 3
+    cases = [(interpreted.rms_norm_fp8(x, w, 1e-5), ReferenceOps.rms_norm_fp8(x, w, 1e-5)),
+             (interpreted.silu_and_mul_fp8(gate_up), ReferenceOps.silu_and_mul_fp8(gate_up))]
+    fused, fused_res = interpreted.add_rms_norm_fp8(x, res.clone(), w, 1e-5)
+    ref, ref_res = ReferenceOps.add_rms_norm_fp8(x, res, w, 1e-5)
+    assert torch.allclose(fused_res, ref_res)
+    for out, expected in cases + [(fused, ref)]:
+        assert out.dtype == expected.dtype == torch.float32 and out.shape == expected.shape
+        assert torch.allclose(out.scale, expected.scale, rtol=1e-5)
+        q, ref_q = out.values.float(), expected.values.float()
+        carry_dropped = (torch.frexp(ref_q)[0].abs() == 0.5) & (q == ref_q / 2)     # the interpreter's e4m3 cast
+        one_step = (q - ref_q).abs() <= ref_q.abs() / 8 + 2 ** -9                  # exp's last bits may differ
+        assert (q == ref_q).float().mean() > 0.95 and (one_step | carry_dropped).all()

@@ -25,6 +25,20 @@ class ReferenceOps:
         """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout."""
         return None
 
+    # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
+    @staticmethod
+    def rms_norm_fp8(x, weight, eps):
+        return quant.Fp8Rows.of(reference.rms_norm(x, weight, eps))
+
+    @staticmethod
+    def add_rms_norm_fp8(x, residual, weight, eps):
+        out, residual = reference.add_rms_norm(x, residual, weight, eps)
+        return quant.Fp8Rows.of(out), residual
+
+    @staticmethod
+    def silu_and_mul_fp8(x):
+        return quant.Fp8Rows.of(reference.silu_and_mul(x))
+
     @staticmethod
     def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
                        kv_scale=None):
@@ -55,6 +69,9 @@ class TritonOps(ReferenceOps):
         self.rms_norm = triton_kernels.rms_norm
         self.add_rms_norm = triton_kernels.add_rms_norm
         self.silu_and_mul = triton_kernels.silu_and_mul
+        self.rms_norm_fp8 = triton_kernels.rms_norm_fp8
+        self.add_rms_norm_fp8 = triton_kernels.add_rms_norm_fp8
+        self.silu_and_mul_fp8 = triton_kernels.silu_and_mul_fp8
 
     def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale=None):
         return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim,

@@ -11,6 +11,8 @@ All matrices are (out, in) like nn.Linear. Layouts (the names a checkpoint and a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -129,6 +131,24 @@ def quantize_activations_fp8(x: torch.Tensor, scale: torch.Tensor | None = None)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+@dataclass
+class Fp8Rows:
+    """Activations already quantized per token to e4m3 by the kernel that made them (an RMSNorm or SiLU feeding a
+    layer with per-token FP8 activations), so that the layer skips its own quantization pass."""
+
+    values: torch.Tensor       # (T, K) float8_e4m3fn
+    scale: torch.Tensor        # (T, 1) float32
+    dtype: torch.dtype         # the model's dtype: the layer's output
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "Fp8Rows":
+        return cls(*quantize_activations_fp8(x), x.dtype)
+
+
 # --- reference matrix products on quantized weights (the CPU path and the oracle) -----------------------------
 def dequantize_weight(algo: str, params: dict) -> torch.Tensor:
     """The float32 matrix a quantized linear layer stands for."""
@@ -141,10 +161,14 @@ def dequantize_weight(algo: str, params: dict) -> torch.Tensor:
     raise ValueError(f"unknown quantization {algo!r}")
 
 
-def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor | Fp8Rows, algo: str, params: dict, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a quantized W. Weight-only modes compute in x's dtype; W8A8 and FP8 quantize the
-    activations too (per token, or with the calibrated static scale `input_scale`) and accumulate in float."""
+    activations too (per token, or with the calibrated static scale `input_scale`) and accumulate in float; FP8
+    rows come quantized already."""
     weight = dequantize_weight(algo, params)
+    if isinstance(x, Fp8Rows):
+        out = (torch.nn.functional.linear(x.values.float(), weight) * x.scale).to(x.dtype)
+        return out if bias is None else out + bias
     if algo == "W8A16" or algo.startswith("W4A16"):
         out = torch.nn.functional.linear(x, weight.to(x.dtype))
     else:

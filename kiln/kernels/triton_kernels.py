@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import Fp8Rows
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:                                   # Triton < 3.4: no programmatic dependent launch
@@ -50,8 +52,18 @@ def _wait_for_inputs(PDL: tl.constexpr):
 
 # --- RMSNorm (+ residual add) --------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _store_fp8_row(y, ok, q_ptr, scale_ptr, row):
+    """One row y (float32) as per-token e4m3 and its scale = max|y| / 448, as quant.quantize_activations_fp8."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-8), 448.0)
+    tl.store(q_ptr, tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, n_cols, eps, HAS_RES: tl.constexpr,
+                     BLOCK: tl.constexpr, FP8_OUT: tl.constexpr, PDL: tl.constexpr):
+    """One row: RMSNorm (of x + residual, the sum written back as the new residual); out in x's dtype, or
+    (FP8_OUT) the same values as per-token e4m3 with their scales."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -63,22 +75,38 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.co
         tl.store(res_ptr + row * n_cols + cols, x, mask=mask)          # the new residual, in place
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    tl.store(out_ptr + row * n_cols + cols, w * (xf * inv).to(x.dtype), mask=mask)
+    y = w * (xf * inv).to(x.dtype)
+    if FP8_OUT:
+        _store_fp8_row(y.to(tl.float32), mask, out_ptr + row * n_cols + cols, scale_ptr, row)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool):
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
+    _rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, scale, cols, eps,
+                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(cols), FP8_OUT=fp8,
+                              num_warps=8, **_launch())
+    return Fp8Rows(out, scale, x.dtype) if fp8 else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[-1], eps, HAS_RES=False,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8, **_launch())
-    return out
+    return _norm(x, None, weight, eps, fp8=False)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual); the sum is written into `residual`."""
-    out = torch.empty_like(x)
-    _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[-1], eps, HAS_RES=True,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]), num_warps=8, **_launch())
-    return out, residual
+    return _norm(x, residual, weight, eps, fp8=False), residual
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    return _norm(x, None, weight, eps, fp8=True)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _norm(x, residual, weight, eps, fp8=True), residual
 
 
 # --- SiLU(gate) * up -----------------------------------------------------------------------------------------
@@ -92,6 +120,29 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.co
     up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
     tl.store(out_ptr + row * n_cols + cols, act * up, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One whole row (its per-token scale needs all of it): SiLU(gate) * up as per-token e4m3."""
+    _wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    _store_fp8_row(act.to(tl.float32), mask, q_ptr + row * n_cols + cols, scale_ptr, row)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    rows, n = x.shape[0], x.shape[-1] // 2
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n)
+    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, n, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
+                                      **_launch())
+    return Fp8Rows(q, scale, x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -628,9 +679,13 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
             out = triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
                                                         params.get("weight_zero"), bits, interleaved)
     elif algo.startswith("FP8"):
-        qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
+        if isinstance(x, Fp8Rows):
+            qx, sx, dtype = x.values, x.scale, x.dtype
+        else:
+            qx, sx = quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"))
+            dtype = x.dtype
         out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
-                               out_dtype=x.dtype, use_fast_accum=fp8_fast_accumulation)
+                               out_dtype=dtype, use_fast_accum=fp8_fast_accumulation)
     elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
         xs = x.float() / params["smoother"] if "smoother" in params else x.float()
         static = params.get("input_scale")

@@ -21,6 +21,7 @@ from .base import PretrainedModel
 
 class RMSNorm(nn.Module):
     ops = ReferenceOps  # the kernels; DecoderForCausalLM.load sets the device's choice on every module
+    fp8_out = False     # output quantized per token (Fp8Rows) for the FP8 layer it feeds (set at load)
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -29,8 +30,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual=None):
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps), x
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            norm = self.ops.rms_norm_fp8 if self.fp8_out else self.ops.rms_norm
+            return norm(x, self.weight, self.eps), x
+        norm = self.ops.add_rms_norm_fp8 if self.fp8_out else self.ops.add_rms_norm
+        return norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -79,6 +82,12 @@ class QuantLinear(nn.Module):
     def forward(self, x):
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Per-token FP8 activations with nothing to apply before quantizing them: the kernel that makes this
+        layer's input can quantize it (quant.Fp8Rows) and save a pass."""
+        return self.algo == "FP8_PER_CHANNEL_PER_TOKEN" and not {"smoother", "input_scale"} & set(self.quant_params())
+
 
 def make_linear(name: str, in_features: int, out_features: int, bias: bool, config: PretrainedConfig) -> nn.Module:
     """A plain or a quantized linear layer, as config.quantization decides for the module `name`."""
@@ -119,6 +128,7 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     ops = ReferenceOps
     comm = Comm()
+    fp8_act = False     # SiLU's output quantized per token for an FP8 down_proj (set at load)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -127,7 +137,8 @@ class GatedMLP(nn.Module):
         self.down_proj = make_linear("mlp.down_proj", inter, config.hidden_size, config.mlp_bias, config)
 
     def forward(self, x):
-        return self.comm.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        act = self.ops.silu_and_mul_fp8 if self.fp8_act else self.ops.silu_and_mul
+        return self.comm.all_reduce(self.down_proj(act(self.gate_up_proj(x))))
 
 
 class MoE(nn.Module):
@@ -161,6 +172,14 @@ class DecoderLayer(nn.Module):
             self.moe = MoE(config)
         else:
             self.mlp = GatedMLP(config)
+
+    def quantize_activations_where_made(self) -> None:
+        """Layers with per-token FP8 activations get them from the norm or SiLU before them, already quantized."""
+        takes = lambda linear: isinstance(linear, QuantLinear) and linear.takes_fp8_rows  # noqa: E731
+        self.input_norm.fp8_out = takes(self.attn.qkv_proj)
+        if hasattr(self, "mlp"):
+            self.post_attn_norm.fp8_out = takes(self.mlp.gate_up_proj)
+            self.mlp.fp8_act = takes(self.mlp.down_proj)
 
     def forward(self, x, residual, positions, meta, kv_cache, cos_sin):
         x, residual = self.input_norm(x, residual)
@@ -208,6 +227,8 @@ class DecoderForCausalLM(nn.Module):
                 module.comm = net.comm
             if isinstance(module, QuantLinear):
                 module.use_kernel_layout()
+        for layer in net.layers.values():
+            layer.quantize_activations_where_made()
         return net.eval()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
