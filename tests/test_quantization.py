@@ -361,3 +361,29 @@ def test_round_to_nearest_skips_the_searches(tiny_models, algo):
                 assert torch.equal(quantized.weights[f"{base}.{key}"].float(), tensor.float()), (base, key)
         elif "norm" in name:
             assert torch.equal(quantized.weights[name], w), name
+
+
+def test_grid_refit_is_the_least_squares_grid_and_never_loses():
+    """With the levels fixed, refit_grid's (scale, zero) per group match a direct least-squares fit of a row's
+    outputs on the calibration inputs, and no row's output error grows."""
+    from kiln.quantization.refit import refit_grid, row_output_errors
+
+    x = _correlated_inputs(1024, 192, 4)
+    h = x.T @ x / len(x)
+    w = torch.randn(32, 192, generator=torch.Generator().manual_seed(5))
+    in_first_group = (torch.arange(192) < 128).double()                          # groups of 128 and 64
+    masks = [in_first_group, 1 - in_first_group]
+    for zero_point in (True, False):
+        scale, zero = quant.int4_grid(w, 128, zero_point)
+        levels = quant.int4_levels(w, scale, zero)
+        new_scale, new_zero = refit_grid(w, h, levels, scale, zero)
+        before = row_output_errors(w - quant.int4_values(levels, scale, zero), h)
+        after = row_output_errors(w - quant.int4_values(levels, new_scale, new_zero), h)
+        assert bool((after <= before).all()) and float(after.sum()) < 0.97 * float(before.sum())
+        q = levels[0].double() - (0 if zero_point else 8)                        # row 0: ŵ = Σ scale·q + bias
+        design = x.double() @ torch.stack([q * m for m in masks] + (masks if zero_point else []), dim=1)
+        fit = torch.linalg.lstsq(design, x.double() @ w[0].double()).solution
+        assert torch.allclose(new_scale[0].double(), fit[:2], rtol=1e-3)
+        if zero_point:
+            assert torch.allclose(new_zero[0].double(), -fit[2:] / fit[:2], rtol=1e-3, atol=1e-3)
+

@@ -2,9 +2,10 @@
 
 Per layer: capture the inputs X of its four linear modules (from the already-quantized layers before it) and keep
 H = XᵀX / tokens and the mean |x| per channel. W4A16_AWQ then searches and folds its per-channel scales; the int4
-modules get a clipping search for their group grids, then their levels by round to nearest (AWQ) or GPTQ; FP8
-weights (per-channel e4m3) are rounded by GPTQ. The layer's weights are replaced by their quantized values before
-its outputs feed the next layer.
+modules get a clipping search for their group grids, then their levels by round to nearest (AWQ) or GPTQ, then the
+grid refitted to the levels by least squares (refit.py) and the levels rounded again on it; FP8 weights
+(per-channel e4m3) are rounded by GPTQ. The layer's weights are replaced by their quantized values before its
+outputs feed the next layer.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from kiln.utils.steps import progress
 from .awq import fake_quantize, search_clip, search_scales, tie_heads
 from .gptq import gptq_fp8, gptq_int4
 from .layerwise import LayerRunner
+from .refit import refit_grid
 
 LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 ALGOS = ("W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+REFITS = 1          # int4: times the grid is refitted to the levels and the levels rounded again on it
 
 
 def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences: list[list[int]],
@@ -69,10 +72,16 @@ def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig,
     group, zero_point = quant_config.group_size, quant_config.has_zero_point
     ratio = search_clip(w, hessian, group, zero_point, None if rows is None else rows.to(w.device))
     scale, zero = int4_grid(w, group, zero_point, ratio)
-    if quant_config.quant_algo == "W4A16_GPTQ":
-        levels = gptq_int4(w, hessian, scale, zero)
-    else:
-        levels = int4_levels(w, scale, zero)
+    by_gptq = quant_config.quant_algo == "W4A16_GPTQ"
+
+    def round_levels(scale, zero):
+        return gptq_int4(w, hessian, scale, zero) if by_gptq else int4_levels(w, scale, zero)
+
+    levels = round_levels(scale, zero)
+    for _ in range(REFITS):
+        scale, zero = refit_grid(w, hessian, levels, scale, zero)
+        levels = round_levels(scale, zero)
+    scale, zero = refit_grid(w, hessian, levels, scale, zero)
     deq = int4_values(levels, scale, zero)
     _assign(module.weight, deq)
     return {"weight": levels, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
