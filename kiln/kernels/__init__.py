@@ -93,6 +93,9 @@ class TritonOps(ReferenceOps):
 
 def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
     """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced."""
+    if torch.device(device).type == "cpu":
+        from .cpu import CpuOps
+        return CpuOps()
     if torch.device(device).type != "cuda":
         return ReferenceOps()
     try:

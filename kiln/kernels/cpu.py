@@ -1,0 +1,167 @@
+"""The CPU's kernels for quantized linear layers: weights re-packed once at load into the layouts of PyTorch's own
+CPU products (aten._weight_int8pack_mm for int8 per channel, aten._weight_int4pack_mm_for_cpu for int4 per channel
+or per group), and for every other layer (FP8, W8A8, shapes those products refuse) the reference product on a float
+weight dequantized once at load instead of on every call.
+
+Precision: the int8/int4 products have vectorized code for bfloat16 activations only (float32 and float16 run
+15-30x slower, scalar), so they take x and the scales in bfloat16 and return bfloat16, accumulating in float32:
+about 3e-3 relative error on top of the weights' own rounding (int8: ~1e-2, int4: several %). The dense fallback
+computes exactly as the reference does."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import ReferenceOps, quant
+
+INT8_LAYOUT = "cpu_int8"     # weight int8 (out, in) as stored; weight_scale bfloat16 (out,)
+INT4_LAYOUT = "cpu_int4"     # weight: _convert_weight_to_int4pack_for_cpu; weight_scale: scales_and_zeros
+DENSE_LAYOUT = "cpu_dense"   # weight float32 (out, in), column-major; scales folded in
+KERNEL_DTYPE = torch.bfloat16
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)     # group sizes _weight_int4pack_mm_for_cpu accepts, largest first
+INT4_KERNEL_ROWS = 16                       # it needs out_features divisible by this
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous at an aligned address: both kernels crash (SIGSEGV, torch 2.13) on tensors that start off the
+    64-byte alignment of torch's own allocations, such as weights memory-mapped from an engine file or a view
+    past the start of a larger tensor."""
+    if t.is_contiguous() and t.data_ptr() % 64 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    return aligned(x.to(KERNEL_DTYPE))
+
+
+# --- the int8 product ----------------------------------------------------------------------------------------
+def pack_int8(params: dict) -> dict:
+    return {"weight": aligned(params["weight"]), "weight_scale": params["weight_scale"].to(KERNEL_DTYPE)}
+
+
+def int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(kernel_input(x), weight, scale)
+
+
+# --- the int4 product ----------------------------------------------------------------------------------------
+def int4_kernel_group(in_features: int, groups: int) -> int | None:
+    """The kernel's group size that spans our groups exactly (ours repeat over several of its groups, a short
+    last one included), or None where none does."""
+    group = quant.int4_group_size(in_features, groups)
+    return next((g for g in INT4_KERNEL_GROUPS if group % g == 0 and in_features % g == 0), None)
+
+
+def pack_int4(params: dict, kernel_group: int) -> dict:
+    """Levels into the kernel's packing; our w = (q - zero)·scale as its w = (q - 8)·scale + offset, i.e.
+    offset = (8 - zero)·scale, both (in/kernel_group, out, 2) as the kernel reads them."""
+    weight, scale, zero = params["weight"], params["weight_scale"], params.get("weight_zero")
+    in_features = weight.shape[1] * 2
+    repeats = quant.int4_group_size(in_features, scale.shape[1]) // kernel_group
+    scale = scale.repeat_interleave(repeats, dim=1)[:, :in_features // kernel_group]
+    offset = torch.zeros_like(scale) if zero is None else \
+        (8.0 - zero.repeat_interleave(repeats, dim=1)[:, :in_features // kernel_group]) * scale
+    levels = quant.unpack_int4(weight).to(torch.int32)
+    return {"weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 2),
+            "weight_scale": torch.stack([scale.t(), offset.t()], dim=-1).to(KERNEL_DTYPE).contiguous()}
+
+
+def int4_product(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    kernel_group = x.shape[-1] // scales_and_zeros.shape[0]
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_input(x), weight, kernel_group, scales_and_zeros)
+
+
+# --- the dense fallback ----------------------------------------------------------------------------------------
+def pack_dense(algo: str, params: dict) -> dict:
+    """The float32 matrix, column-major like the CPU's float weights (kernels.reference.use_cpu_weight_layout)."""
+    return {"weight": quant.dequantize_weight(algo, params).t().contiguous().t(), "weight_scale": None,
+            "weight_zero": None}
+
+
+def dense_product(x, algo: str, params: dict) -> torch.Tensor:
+    """quant.quant_linear's product (without the bias) on the dequantized weight."""
+    weight = params["weight"]
+    if isinstance(x, quant.Fp8Rows):
+        return (F.linear(x.values.float(), weight) * x.scale).to(x.dtype)
+    if algo == "W8A16" or algo.startswith("W4A16"):
+        return F.linear(x, weight.to(x.dtype))
+    qx, sx = quantized_activations(x, algo, params)
+    return (F.linear(qx.float(), weight) * sx).to(x.dtype)
+
+
+def quantized_activations(x: torch.Tensor, algo: str, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as W8A8 (int8) or FP8 layers quantize it: smoothed, per token or with the calibrated static scale."""
+    xs = x.float() / params["smoother"] if "smoother" in params else x.float()
+    static = params.get("input_scale")
+    if not algo.startswith("W8A8"):
+        return quant.quantize_activations_fp8(xs, static)
+    if static is None:
+        return quant.quantize_activations_int8(xs)
+    return torch.round(xs / static).clamp(-127, 127), static
+
+
+# --- which product a layer gets --------------------------------------------------------------------------------
+@functools.cache
+def int8_kernel_works() -> bool:
+    """Whether this torch has the int8 product and it computes what we think (checked once on a small matrix)."""
+    return _agrees("W8A16", {"weight": torch.arange(-64, 64, dtype=torch.int8).reshape(4, 32),
+                             "weight_scale": torch.tensor([0.5, 1.0, 2.0, 0.25])})
+
+
+@functools.cache
+def int4_kernel_works() -> bool:
+    """The same for the int4 product, on a matrix whose zero points and levels are all different."""
+    levels = (torch.arange(16 * 64) % 15).reshape(16, 64).to(torch.uint8)
+    scale = torch.linspace(0.25, 2.0, 32).reshape(16, 2)
+    return _agrees("W4A16_AWQ", {"weight": quant.pack_int4(levels), "weight_scale": scale,
+                                 "weight_zero": torch.linspace(0.0, 15.0, 32).reshape(16, 2)})
+
+
+def _agrees(algo: str, params: dict) -> bool:
+    weight = quant.dequantize_weight(algo, params)
+    x = torch.linspace(-1.0, 1.0, 2 * weight.shape[1]).reshape(2, -1)
+    try:
+        packed = CpuOps.pack_kernel(algo, params)
+        out = CpuOps.quant_linear(x, algo, {**params, **packed[1], "layout": packed[0]}).float()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    ref = x.double() @ weight.double().t()
+    return bool(((out - ref).norm() / ref.norm()) < 2e-2)
+
+
+class CpuOps(ReferenceOps):
+    """ReferenceOps with quantized layers on PyTorch's CPU kernels (chosen by select_ops for CPU devices)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def pack_quant(algo: str, params: dict):
+        if algo == "W8A16" and int8_kernel_works() or algo.startswith("W4A16") and int4_kernel_works():
+            return CpuOps.pack_kernel(algo, params) or (DENSE_LAYOUT, pack_dense(algo, params))
+        return DENSE_LAYOUT, pack_dense(algo, params)
+
+    @staticmethod
+    def pack_kernel(algo: str, params: dict):
+        """(layout, tensors) for the int8 or int4 kernel, or None where the layer's shape does not suit it."""
+        if algo == "W8A16":
+            return INT8_LAYOUT, pack_int8(params)
+        out_features, in_features = params["weight"].shape[0], params["weight"].shape[1] * 2
+        kernel_group = int4_kernel_group(in_features, params["weight_scale"].shape[1])
+        if kernel_group is None or out_features % INT4_KERNEL_ROWS:
+            return None
+        return INT4_LAYOUT, {**pack_int4(params, kernel_group), "weight_zero": None}
+
+    @staticmethod
+    def quant_linear(x, algo: str, params: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
+        layout = params.get("layout")
+        if layout == INT8_LAYOUT:
+            out = int8_product(x, params["weight"], params["weight_scale"]).to(x.dtype)
+        elif layout == INT4_LAYOUT:
+            out = int4_product(x, params["weight"], params["weight_scale"]).to(x.dtype)
+        elif layout == DENSE_LAYOUT:
+            out = dense_product(x, algo, params)
+        else:
+            return quant.quant_linear(x, algo, params, bias)
+        return out if bias is None else out + bias
