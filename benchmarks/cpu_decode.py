@@ -2,6 +2,11 @@
 
 Decode rate = 128 / (time(129 new tokens) - time(1 new token)), best of --repeats, same prompt, greedy.
     python benchmarks/cpu_decode.py [--dtype float32] [--repeats 3] [--skip-hf]
+        [--quant_algo W8A16|W4A16|W4A16_AWQ|W4A16_GPTQ|FP8|... [--group_size 128] [--calib_size 4]
+         [--round_to_nearest]]
+        [--ops cpu|reference|both]
+A quantized model is quantized here from the same weights (kiln.quantization.quantize_model); --ops reference runs
+it on ReferenceOps (the pure-torch oracle, dequantizing on every call) instead of the CPU's CpuOps.
 """
 from __future__ import annotations
 
@@ -11,7 +16,12 @@ import time
 
 import torch
 
+import kiln.runtime.model_runner
 from kiln import LLM, BuildConfig, SamplingConfig
+from kiln.config import QuantConfig
+from kiln.kernels import ReferenceOps, select_ops
+from kiln.models import LlamaForCausalLM
+from kiln.quantization import quantize_model
 from kiln.utils.default_model import default_model_path
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
@@ -26,11 +36,26 @@ def best_decode_rate(generate, repeats: int) -> float:
     return max(rates)
 
 
-def kiln_rate(dtype: str, repeats: int) -> float:
-    llm = LLM(default_model_path(), dtype=dtype, quiet=True,
-              build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512))
-    ids = llm.apply_chat_template(PROMPT)
-    return best_decode_rate(lambda n: llm.generate(ids, SamplingConfig(max_new_tokens=n, end_id=-1)), repeats)
+def kiln_model(dtype: str, quant_config: QuantConfig | None, calib_size: int, round_to_nearest: bool):
+    """SmolLM2 as LLM takes it: the GGUF path, or the model quantized here (round to nearest: the same layouts
+    in seconds instead of AWQ's and GPTQ's minutes of search; the speed is the same)."""
+    if quant_config is None:
+        return default_model_path()
+    model = LlamaForCausalLM.from_hugging_face(default_model_path(), dtype=dtype, quiet=True)
+    return quantize_model(model, quant_config, calib_size, quiet=True, round_to_nearest=round_to_nearest)
+
+
+def kiln_rate(model, dtype: str, repeats: int, ops: str) -> float:
+    # the runner picks its kernels through select_ops: swapped for the oracle's for --ops reference
+    kiln.runtime.model_runner.select_ops = (lambda *a, **k: ReferenceOps()) if ops == "reference" else select_ops
+    try:
+        llm = LLM(model, dtype=dtype, quiet=True,
+                  build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512))
+    finally:
+        kiln.runtime.model_runner.select_ops = select_ops
+    with llm:
+        ids = llm.apply_chat_template(PROMPT)
+        return best_decode_rate(lambda n: llm.generate(ids, SamplingConfig(max_new_tokens=n, end_id=-1)), repeats)
 
 
 def hf_rate(dtype: str, repeats: int) -> float:
@@ -54,9 +79,20 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quant_algo", help="quantize the model first (QuantConfig.quant_algo)")
+    p.add_argument("--group_size", type=int, default=128, help="int4 group size of W4A16_AWQ / W4A16_GPTQ")
+    p.add_argument("--calib_size", type=int, default=4, help="calibration sequences for the quantization")
+    p.add_argument("--round_to_nearest", action="store_true", help="skip AWQ's / GPTQ's searches")
+    p.add_argument("--ops", choices=["cpu", "reference", "both"], default="cpu",
+                   help="the CPU's kernels (select_ops), the reference ones, or both in turn")
     args = p.parse_args()
-    result = {"threads": torch.get_num_threads(), "dtype": args.dtype,
-              "kiln_decode_tok_s": round(kiln_rate(args.dtype, args.repeats), 1)}
+    quant_config = QuantConfig(args.quant_algo, group_size=args.group_size) if args.quant_algo else None
+    model = kiln_model(args.dtype, quant_config, args.calib_size, args.round_to_nearest)
+    result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "quant_algo": args.quant_algo}
+    if args.quant_algo in ("W4A16_AWQ", "W4A16_GPTQ"):
+        result["group_size"] = args.group_size
+    for ops in (["cpu", "reference"] if args.ops == "both" else [args.ops]):
+        result[f"kiln_{ops}_decode_tok_s"] = round(kiln_rate(model, args.dtype, args.repeats, ops), 1)
     if not args.skip_hf:
         result["transformers_decode_tok_s"] = round(hf_rate(args.dtype, args.repeats), 1)
     print(json.dumps(result))
