@@ -72,7 +72,8 @@ class ModelRunner:
         self.parallel = parallel                       # a kiln.distributed.ParallelContext when world_size > 1
         plugins = build.plugin_config
         self.net = model_class(config.architecture).network_class.load(
-            config, engine.weights[rank], build.max_seq_len, device, ops=select_ops(device, plugins.context_fmha, plugins.fp8_fast_accumulation),
+            config, engine.weights[rank], build.max_seq_len, device,
+            ops=select_ops(device, plugins.context_fmha, plugins.fp8_fast_accumulation),
             comm=parallel.comm if parallel is not None else None)
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
