@@ -159,3 +159,15 @@ def test_tensors_off_alignment_are_copied_first(algo):
     assert params["weight"].data_ptr() % 64 and x.data_ptr() % 64
     ref = x.double() @ quant.dequantize_weight(algo, params).double().t()
     assert rel_err(cpu.CpuOps.quant_linear(x, algo, loaded(algo, params)), ref) < BF16_PRODUCT_ERROR
+
+
+def test_cpu_kernels_chosen_by_kiln_cpu_ops(monkeypatch):
+    from kiln.kernels import ReferenceOps, select_ops
+    from kiln.kernels.cpu import CpuOps
+
+    assert type(select_ops("cpu")) is CpuOps
+    monkeypatch.setenv("KILN_CPU_OPS", "reference")
+    assert type(select_ops("cpu")) is ReferenceOps
+    monkeypatch.setenv("KILN_CPU_OPS", "quick")
+    with pytest.raises(ValueError, match="KILN_CPU_OPS"):
+        select_ops("cpu")

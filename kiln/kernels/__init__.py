@@ -2,6 +2,7 @@
 or `TritonOps` (NVIDIA GPUs). Both offer the same operations on the same shapes."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -92,8 +93,15 @@ class TritonOps(ReferenceOps):
 
 
 def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
-    """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced."""
+    """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced.
+    KILN_CPU_OPS=reference keeps the CPU on the exact reference products (CpuOps runs int8/int4 layers with bf16
+    activations); the variable reaches spawned tensor-parallel workers too."""
     if torch.device(device).type == "cpu":
+        choice = os.environ.get("KILN_CPU_OPS", "fast")
+        if choice not in ("fast", "reference"):
+            raise ValueError(f"KILN_CPU_OPS={choice!r}: expected 'fast' or 'reference'")
+        if choice == "reference":
+            return ReferenceOps()
         from .cpu import CpuOps
         return CpuOps()
     if torch.device(device).type != "cuda":
