@@ -142,3 +142,16 @@ def test_fp8_activations_quantized_by_the_kernel_that_makes_them(tiny_models, al
         with torch.inference_mode():
             logits.append(net.compute_logits(net(t(list(range(3, 3 + n))), t(list(range(n))), meta, caches)))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_every_pdl_kernel_waits_for_its_inputs():
+    """A kernel launched with programmatic dependent launch may start before the kernel writing its inputs has
+    finished: each one that takes PDL must call _wait_for_inputs(PDL) (the paged attention kernel once did not)."""
+    triton = pytest.importorskip("triton")
+    from kiln.kernels import triton_kernels as tk
+
+    kernels = [f for f in vars(tk).values() if isinstance(f, triton.runtime.jit.JITFunction) and "PDL" in f.arg_names
+               and f.__name__.endswith("_kernel")]
+    assert len(kernels) >= 8
+    for kernel in kernels:
+        assert "_wait_for_inputs(PDL)" in kernel.src, kernel.__name__

@@ -267,6 +267,7 @@ def _paged_attention_kernel(
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K)."""
+    _wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     qblock_part = tl.program_id(2)
