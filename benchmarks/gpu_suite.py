@@ -247,24 +247,8 @@ def load(args):
 QUANT_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def _graph_seconds(launches, repeats: int = 5) -> float:
-    """GPU seconds per launch: the launches (each on its own weight copy, so that L2 holds none of them) captured
-    in one CUDA graph and replayed, as the engine's decode steps run."""
-    for launch in launches:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (repeats * len(launches))
+def _graph_seconds(launches) -> float:
+    return bench.graph_seconds(launches, repeats=5)
 
 
 def _copies(nbytes: int) -> int:
@@ -342,22 +326,9 @@ def quant_kernels(args):
 @phase
 def quant_latency(args):
     """Weight-only batch-1 decode of the 8B shape (3 prompts of 128 tokens, 128 new tokens, the first a warm-up)."""
-    from kiln.config import QuantConfig
     for algo in ("W4A16_AWQ", "W8A16"):
-        build = bench.default_bench_build("latency", 128, 128, 1)
-        engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=QuantConfig(quant_algo=algo))
-        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-            outputs = []
-            for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
-                out, _ = bench.run_requests(llm, [prompt], 128)
-                if i:
-                    outputs += out
-            result = bench.summarize("latency", "llama-3.1-8b", algo, outputs, 1.0, 128, 128)
-            log(f"quant_{algo}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
-            if args.profile:
-                _profile_decode(llm, f"latency_{algo}")
-        del engine
-        torch.cuda.empty_cache()
+        log(f"quant_{algo}_bs1_decode_tok_s",
+            _decode_tok_s(algo, new_tokens=128, profile=f"latency_{algo}" if args.profile else None))
 
 
 @phase

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kiln import benchmark as bench  # noqa: E402
 from kiln.kernels import quant  # noqa: E402
 from kiln.kernels import triton_kernels as tk  # noqa: E402
 from kiln.kernels import triton_weight_only as wo  # noqa: E402
@@ -93,33 +94,14 @@ def copies_for(nbytes: int) -> int:
 
 # --- timing ------------------------------------------------------------------------------------------------------
 def graph_seconds(launches) -> float:
-    """GPU seconds per launch: the launches (each on its own weight copy) captured in one CUDA graph and replayed
-    (fewer replays for slow ones). On the CPU (--dry_run): wall-clock seconds of one pass."""
+    """GPU seconds per launch (kiln.benchmark.graph_seconds). On the CPU (--dry_run): wall-clock seconds of one
+    pass."""
     if DEVICE == "cpu":
         start = time.perf_counter()
         for launch in launches:
             launch()
         return (time.perf_counter() - start) / len(launches)
-    for launch in launches:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    repeats = max(1, min(10, int(0.02 / max(start.elapsed_time(end) / 1e3, 1e-6))))
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) / 1e3 / (repeats * len(launches))
+    return bench.graph_seconds(launches)
 
 
 def measure(name, fn, weights, x, ref) -> dict:

@@ -109,6 +109,33 @@ def _cuda_time(fn, repeats: int) -> float:
     return start.elapsed_time(end) / 1e3 / repeats
 
 
+def graph_seconds(launches, repeats: int | None = None) -> float:
+    """GPU seconds per launch: the launches (each on its own weight copy, so that L2 holds none of them) captured in
+    one CUDA graph and replayed, as the engine's decode steps run. repeats None: as many replays as fit ~20 ms (at
+    most 10), judged by a first one."""
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    if repeats is None:
+        repeats = max(1, min(10, int(0.02 / max(start.elapsed_time(end) / 1e3, 1e-6))))
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / 1e3 / (repeats * len(launches))
+
+
 @dataclass
 class BenchResult:
     mode: str
