@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from . import ReferenceOps, quant
 
@@ -80,28 +79,6 @@ def pack_dense(algo: str, params: dict) -> dict:
             "weight_zero": None}
 
 
-def dense_product(x, algo: str, params: dict) -> torch.Tensor:
-    """quant.quant_linear's product (without the bias) on the dequantized weight."""
-    weight = params["weight"]
-    if isinstance(x, quant.Fp8Rows):
-        return (F.linear(x.values.float(), weight) * x.scale).to(x.dtype)
-    if algo == "W8A16" or algo.startswith("W4A16"):
-        return F.linear(x, weight.to(x.dtype))
-    qx, sx = quantized_activations(x, algo, params)
-    return (F.linear(qx.float(), weight) * sx).to(x.dtype)
-
-
-def quantized_activations(x: torch.Tensor, algo: str, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as W8A8 (int8) or FP8 layers quantize it: smoothed, per token or with the calibrated static scale."""
-    xs = x.float() / params["smoother"] if "smoother" in params else x.float()
-    static = params.get("input_scale")
-    if not algo.startswith("W8A8"):
-        return quant.quantize_activations_fp8(xs, static)
-    if static is None:
-        return quant.quantize_activations_int8(xs)
-    return torch.round(xs / static).clamp(-127, 127), static
-
-
 # --- which product a layer gets --------------------------------------------------------------------------------
 @functools.cache
 def int8_kernel_works() -> bool:
@@ -161,7 +138,7 @@ class CpuOps(ReferenceOps):
         elif layout == INT4_LAYOUT:
             out = int4_product(x, params["weight"], params["weight_scale"]).to(x.dtype)
         elif layout == DENSE_LAYOUT:
-            out = dense_product(x, algo, params)
+            out = quant.dense_product(x, algo, params["weight"], params)
         else:
             return quant.quant_linear(x, algo, params, bias)
         return out if bias is None else out + bias

@@ -165,23 +165,25 @@ def quant_linear(x: torch.Tensor | Fp8Rows, algo: str, params: dict, bias: torch
     """y = x @ W^T (+ bias) for a quantized W. Weight-only modes compute in x's dtype; W8A8 and FP8 quantize the
     activations too (per token, or with the calibrated static scale `input_scale`) and accumulate in float; FP8
     rows come quantized already."""
-    weight = dequantize_weight(algo, params)
-    if isinstance(x, Fp8Rows):
-        out = (torch.nn.functional.linear(x.values.float(), weight) * x.scale).to(x.dtype)
-        return out if bias is None else out + bias
-    if algo == "W8A16" or algo.startswith("W4A16"):
-        out = torch.nn.functional.linear(x, weight.to(x.dtype))
-    else:
-        xs = x.float()
-        if "smoother" in params:
-            xs = xs / params["smoother"]
-        static = params.get("input_scale")
-        if algo.startswith("W8A8"):
-            if static is None:
-                qx, sx = quantize_activations_int8(xs)
-            else:
-                qx, sx = torch.round(xs / static).clamp(-127, 127), static
-        else:
-            qx, sx = quantize_activations_fp8(xs, static)
-        out = (torch.nn.functional.linear(qx.float(), weight) * sx).to(x.dtype)
+    out = dense_product(x, algo, dequantize_weight(algo, params), params)
     return out if bias is None else out + bias
+
+
+def dense_product(x: torch.Tensor | Fp8Rows, algo: str, weight: torch.Tensor, params: dict) -> torch.Tensor:
+    """quant_linear's product (without the bias) on `weight`, the float matrix the quantized layer stands for."""
+    if algo == "W8A16" or algo.startswith("W4A16"):
+        return torch.nn.functional.linear(x, weight.to(x.dtype))
+    qx, sx = (x.values, x.scale) if isinstance(x, Fp8Rows) else quantized_activations(x, algo, params)
+    return (torch.nn.functional.linear(qx.float(), weight) * sx).to(x.dtype)
+
+
+def quantized_activations(x: torch.Tensor, algo: str, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as W8A8 (int8) or FP8 layers quantize it: divided by the SmoothQuant smoother where there is one, then per
+    token or by the calibrated static scale `input_scale`."""
+    xs = x.float() / params["smoother"] if "smoother" in params else x.float()
+    static = params.get("input_scale")
+    if not algo.startswith("W8A8"):
+        return quantize_activations_fp8(xs, static)
+    if static is None:
+        return quantize_activations_int8(xs)
+    return torch.round(xs / static).clamp(-127, 127).to(torch.int8), static

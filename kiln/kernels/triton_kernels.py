@@ -52,9 +52,14 @@ def _wait_for_inputs(PDL: tl.constexpr):
 
 # --- RMSNorm (+ residual add) --------------------------------------------------------------------------------
 @triton.jit
-def _store_fp8_row(y, ok, q_ptr, scale_ptr, row):
-    """One row y (float32) as per-token e4m3 and its scale = max|y| / 448, as quant.quantize_activations_fp8."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-8), 448.0)
+def _fp8_row_scale(y):
+    """A float32 row's per-token e4m3 scale: its largest magnitude / 448, as quant.quantize_activations_fp8."""
+    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-8), 448.0)
+
+
+@triton.jit
+def _store_fp8_row(y, scale, ok, q_ptr, scale_ptr, row):
+    """A float32 row y as e4m3 values y / scale (rounded division, as torch's) at q_ptr, and its scale."""
     tl.store(q_ptr, tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row, scale)
 
@@ -77,7 +82,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, n_cols, eps, HAS
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     y = w * (xf * inv).to(x.dtype)
     if FP8_OUT:
-        _store_fp8_row(y.to(tl.float32), mask, out_ptr + row * n_cols + cols, scale_ptr, row)
+        yf = y.to(tl.float32)
+        _store_fp8_row(yf, _fp8_row_scale(yf), mask, out_ptr + row * n_cols + cols, scale_ptr, row)
     else:
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
@@ -131,8 +137,8 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, n_cols, BLOCK: tl.constexp
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-    _store_fp8_row(act.to(tl.float32), mask, q_ptr + row * n_cols + cols, scale_ptr, row)
+    act = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    _store_fp8_row(act, _fp8_row_scale(act), mask, q_ptr + row * n_cols + cols, scale_ptr, row)
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
@@ -309,14 +315,14 @@ def _paged_attention_kernel(
         kv_pos = start + t
         in_range = kv_pos < stop
         block = tl.load(table + kv_pos // BLOCK_TOKENS, mask=in_range, other=0).to(tl.int64)
-        kv_offsets = ((block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head)[:, None] * DIM + d[None, :]
+        cached = (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head      # (TILE,) cache rows
         if KV_QUANT > 0 and q.dtype == tl.float16:                # read as words of four values
-            cached = (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head
             words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cached[:, None] * (DIM // 4) + w[None, :]
             k = _cache_words_to_fp16(tl.load(words, mask=in_range[:, None], other=0), KV_QUANT, TILE, DIM)
             v = _cache_words_to_fp16(tl.load(words + cache_half // 4, mask=in_range[:, None], other=0), KV_QUANT,
                                      TILE, DIM)
         else:
+            kv_offsets = cached[:, None] * DIM + d[None, :]
             k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
             v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
@@ -642,10 +648,8 @@ def _quantize_fp8_kernel(x_ptr, smoother_ptr, static_ptr, q_ptr, scale_ptr, K,
     if STATIC:
         scale = tl.load(static_ptr)
     else:
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), 448.0)
-    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)          # rounded division, as torch's
-    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(scale_ptr + row, scale)
+        scale = _fp8_row_scale(x)
+    _store_fp8_row(x, scale, ok, q_ptr + row * K + cols, scale_ptr, row)
 
 
 def quantize_fp8_rows(x: torch.Tensor, smoother: torch.Tensor | None = None,
@@ -688,12 +692,7 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
         out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
                                out_dtype=dtype, use_fast_accum=fp8_fast_accumulation)
     elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
-        xs = x.float() / params["smoother"] if "smoother" in params else x.float()
-        static = params.get("input_scale")
-        if static is None:
-            qx, sx = quant.quantize_activations_int8(xs)
-        else:
-            qx, sx = torch.round(xs / static).clamp(-127, 127).to(torch.int8), static
+        qx, sx = quant.quantized_activations(x, algo, params)
         acc = torch._int_mm(qx, params["weight"].t())
         out = (acc.float() * sx * params["weight_scale"][None, :]).to(x.dtype)
     else:
