@@ -60,8 +60,10 @@ def env(args):
 
 @phase
 def tests(args):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x", "tests/test_gpu.py", "-p",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args.test_paths.split(","), "-p",
                            "no:cacheprovider"], capture_output=True, text=True, timeout=args.test_timeout)
+    with open(os.path.join(OUT, "gpu_tests.txt"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
     log("gpu_tests_tail", proc.stdout[-3000:] + proc.stderr[-2000:])
     log("gpu_tests_rc", proc.returncode)
 
@@ -403,6 +405,28 @@ def fp8_overlap(args):
                 _profile_fp8_decode(llm)
 
 
+@phase
+def fp8_fused(args):
+    """FP8 per-token 128/128 overlapped throughput with the norm/SiLU kernels emitting e4m3 rows (quant.Fp8Rows)
+    off and on (fast accumulation on); --profile profiles the second."""
+    from kiln.config import QuantConfig
+    from kiln.models import llama
+    build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
+                                 quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
+    takes = llama.QuantLinear.takes_fp8_rows
+    for fused in (False, True):
+        llama.QuantLinear.takes_fp8_rows = takes if fused else property(lambda self: False)
+        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
+                 enable_trt_overlap=True) as llm:
+            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+            log(f"fp8_fused_{fused}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
+            if args.profile and fused:
+                _profile_fp8_decode(llm)
+    llama.QuantLinear.takes_fp8_rows = takes
+
+
 def quant(args):
     """All quantized measurements (each its own phase, so that one failing leaves the others)."""
     for step in (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput):
@@ -435,6 +459,7 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
+    p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")
     args = p.parse_args()
     env(args)
     for name in args.phases.split(","):
