@@ -60,12 +60,16 @@ def env(args):
 
 @phase
 def tests(args):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args.test_paths.split(","), "-p",
-                           "no:cacheprovider"], capture_output=True, text=True, timeout=args.test_timeout)
-    with open(os.path.join(OUT, "gpu_tests.txt"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    log("gpu_tests_tail", proc.stdout[-3000:] + proc.stderr[-2000:])
-    log("gpu_tests_rc", proc.returncode)
+    path = os.path.join(OUT, "gpu_tests.txt")
+    with open(path, "w") as f:                     # written as it runs: kept if the tests run out of time
+        try:
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args.test_paths.split(","), "-p",
+                                 "no:cacheprovider"], stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.test_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    log("gpu_tests_tail", open(path).read()[-3000:])
+    log("gpu_tests_rc", rc)
 
 
 @phase
@@ -427,6 +431,126 @@ def fp8_fused(args):
     llama.QuantLinear.takes_fp8_rows = takes
 
 
+ATTN_SWEEP = [(tile, warps, stages) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
+
+
+def _decode_attention_case(batch: int, context: tuple[int, int], kv_dtype, layers: int, seed: int = 0):
+    """Random decode attention inputs of the 8B shape (32 query heads, 8 KV heads, head dim 128, blocks of 32):
+    `layers` caches (so that L2 holds none), shuffled block tables, lengths uniform in `context`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tpb, kh, dim = 32, 8, 128
+    lens = torch.randint(context[0], context[1] + 1, (batch,), device="cuda", generator=g)
+    blocks_per_seq = -(-int(lens.max()) // tpb)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, blocks_per_seq)
+    caches = []
+    for _ in range(layers):
+        cache = torch.randn((2, num_blocks, tpb, kh, dim), device="cuda", dtype=torch.bfloat16, generator=g)
+        caches.append((cache * (1 if kv_dtype == torch.bfloat16 else 60)).clamp(-127, 127).to(kv_dtype))
+    q = torch.randn((batch, 32, dim), device="cuda", dtype=torch.bfloat16, generator=g)
+    starts = torch.arange(batch + 1, device="cuda")
+    scale = None if kv_dtype == torch.bfloat16 else torch.tensor([1 / 60, 1 / 60], device="cuda")
+    return q, caches, tables, lens, starts, scale
+
+
+@phase
+def attn_sweep(args):
+    """Decode attention (one new token per sequence) per tile / warps / stages, for bf16, int8 and FP8 caches:
+    µs per layer and TB/s of the cache bytes it must read; the first line of each case checks against the first
+    config's output."""
+    from kiln.kernels import triton_kernels as tk
+    cases = [(512, (128, 256)), (256, (1024, 2048))]
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.int8):
+        for batch, context in cases:
+            q, caches, tables, lens, starts, scale = _decode_attention_case(batch, context, kv_dtype, layers=6)
+            nbytes = int(lens.sum()) * 8 * 128 * 2 * kv_dtype.itemsize
+            times, reference = {}, None
+            for tile, warps, stages in ATTN_SWEEP:
+                run = lambda c, t=tile, w=warps, st=stages: tk.paged_attention(  # noqa: E731
+                    q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t, kv_scale=scale, launch=(w, st))
+                try:
+                    out = run(caches[0])
+                    if reference is None:
+                        reference = out
+                    err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+                    if err > 1e-2:
+                        times[tile, warps, stages] = f"WRONG {err:.1e}"
+                        continue
+                    times[tile, warps, stages] = _graph_seconds([lambda c=c: run(c) for c in caches])
+                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+                    times[tile, warps, stages] = f"fail {type(exc).__name__}"
+            ok = {c: t for c, t in times.items() if isinstance(t, float)}
+            best = min(ok, key=ok.get)
+            name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[kv_dtype]
+            log(f"attn_{name}_b{batch}_ctx{context[0]}-{context[1]}",
+                f"default 64/4/2 {ok.get((64, 4, 2), 0) * 1e6:.1f}us {nbytes / ok.get((64, 4, 2), 1) / 1e12:.2f}TB/s | "
+                f"best {best} {ok[best] * 1e6:.1f}us {nbytes / ok[best] / 1e12:.2f}TB/s | all " +
+                " ".join(f"{c[0]}/{c[1]}/{c[2]}:{t * 1e6:.1f}" if isinstance(t, float) else f"{c}:{t}"
+                         for c, t in times.items()))
+            del caches
+            torch.cuda.empty_cache()
+
+
+@phase
+def timeline(args):
+    """Where a 128/128 throughput run's time goes: every engine step's wall time, by kind (steps with prompt
+    tokens, pure decode steps), and how long the host waited for the device's tokens (overlapped steps: a host
+    that never waits is the bottleneck). One run per mode in --timeline_modes (ALGO or ALGO+KV, bf16 = none)."""
+    from kiln.config import QuantConfig
+    from kiln.runtime import model_runner
+    for mode in args.timeline_modes.split(","):
+        algo, _, kv = mode.partition("+")
+        quant = QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv or None)
+        build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
+        engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
+        waits = []
+        host_tokens = model_runner.Launch.host_tokens
+
+        def timed_host_tokens(self, _orig=host_tokens):
+            start = time.perf_counter()
+            value = _orig(self)
+            waits.append(time.perf_counter() - start)
+            return value
+        model_runner.Launch.host_tokens = timed_host_tokens
+        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
+                 enable_trt_overlap=True) as llm:
+            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            core, steps = llm.core, []
+            step = core.step
+
+            def timed_step(_orig=step):
+                start = time.perf_counter()
+                waits_before = len(waits)
+                advanced = _orig()
+                sched = core.scheduler.stats
+                steps.append((sched.last_step_tokens, len(core.scheduler.running), time.perf_counter() - start,
+                              sum(waits[waits_before:])))
+                return advanced
+            core.step = timed_step
+            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+            core.step = step
+        model_runner.Launch.host_tokens = host_tokens
+        prompt_steps = [s for s in steps if s[0] > s[1]]
+        decode_steps = [s for s in steps if s[0] <= s[1] and s[1] >= args.max_batch * 0.9]
+        total = sum(len(o.token_ids) for o in outputs)
+        summary = {"out_tok_s": round(total / elapsed, 1), "elapsed_s": round(elapsed, 2), "steps": len(steps),
+                   "prompt_steps": len(prompt_steps),
+                   "prompt_steps_s": round(sum(s[2] for s in prompt_steps), 2),
+                   "prompt_step_tokens_mean": round(sum(s[0] for s in prompt_steps) / max(1, len(prompt_steps))),
+                   "full_decode_steps": len(decode_steps),
+                   "full_decode_step_ms_median": round(1e3 * sorted(s[2] for s in decode_steps)[len(decode_steps) // 2], 2)
+                   if decode_steps else None,
+                   "full_decode_wait_ms_median": round(1e3 * sorted(s[3] for s in decode_steps)[len(decode_steps) // 2], 2)
+                   if decode_steps else None,
+                   "other_steps_s": round(sum(s[2] for s in steps) - sum(s[2] for s in prompt_steps)
+                                          - sum(s[2] for s in decode_steps), 2)}
+        log(f"timeline_{mode}", summary)
+        with open(os.path.join(OUT, f"timeline_{mode.replace('+', '_')}.json"), "w") as f:
+            json.dump(steps, f)
+        del engine
+        torch.cuda.empty_cache()
+
+
 def quant(args):
     """All quantized measurements (each its own phase, so that one failing leaves the others)."""
     for step in (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput):
@@ -459,6 +583,7 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
+    p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")
     args = p.parse_args()
     env(args)

@@ -369,15 +369,23 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
     tl.store(out_ptr + row * DIM + d, (total / tl.where(norm == 0.0, 1.0, norm)).to(out_ptr.dtype.element_ty))
 
 
+def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tuple[int, int]]:
+    """(keys per tile, (num_warps, num_stages)) of the paged attention kernel."""
+    return 64, (4, 2)
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
-                    num_parts: int = 1, part_tokens: int | None = None, tile: int = 64,
-                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
+                    kv_scale: torch.Tensor | None = None, launch: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
-    num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them."""
+    num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
+    tile (keys per iteration) and launch (num_warps, num_stages) default to attention_config's choice."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
+    default_tile, default_launch = attention_config(max_query_len, kv_cache.dtype)
+    tile, (num_warps, num_stages) = tile or default_tile, launch or default_launch
     group = heads // kv_heads
     group_pad = max(1, triton.next_power_of_2(group))
     block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
@@ -398,7 +406,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
         DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
         NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
-        num_warps=4, num_stages=2, **_launch())
+        num_warps=num_warps, num_stages=num_stages, **_launch())
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4,
