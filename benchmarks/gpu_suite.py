@@ -190,7 +190,7 @@ def throughput(args):
         max_batch = shape[3] if len(shape) > 3 else args.max_batch
         engine, llm = _llm("throughput", input_len, output_len, max_batch)
         vocab = engine.pretrained_config.vocab_size
-        bench.run_requests(llm, bench.random_prompts(16, input_len, vocab, seed=1), 8)
+        bench.warm_up(llm, input_len, vocab, max_batch, num)
         prompts = bench.random_prompts(num, input_len, vocab)
         torch.cuda.synchronize()
         outputs, elapsed = bench.run_requests(llm, prompts, output_len)
@@ -350,7 +350,7 @@ def quant_fp8_throughput(args):
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-        bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+        bench.warm_up(llm, 128, 128000, args.max_batch)
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
         log("quant_FP8_throughput_128_128_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
         log("quant_FP8_throughput_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
@@ -402,7 +402,7 @@ def fp8_overlap(args):
         engine.build_config.plugin_config.fp8_fast_accumulation = fast
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
                  enable_trt_overlap=True) as llm:
-            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            bench.warm_up(llm, 128, 128000, args.max_batch)
             outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
             log(f"fp8_overlap_fast_accum_{fast}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
             if args.profile and fast:
@@ -423,7 +423,7 @@ def fp8_fused(args):
         llama.QuantLinear.takes_fp8_rows = takes if fused else property(lambda self: False)
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
                  enable_trt_overlap=True) as llm:
-            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            bench.warm_up(llm, 128, 128000, args.max_batch)
             outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
             log(f"fp8_fused_{fused}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
             if args.profile and fused:
@@ -431,7 +431,8 @@ def fp8_fused(args):
     llama.QuantLinear.takes_fp8_rows = takes
 
 
-ATTN_SWEEP = [(tile, warps, stages) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
+ATTN_SWEEP = [(tile, warps, stages, prefetch) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)
+              for prefetch in (False, True)]
 
 
 def _decode_attention_case(batch: int, context: tuple[int, int], kv_dtype, layers: int, seed: int = 0):
@@ -460,32 +461,37 @@ def attn_sweep(args):
     config's output."""
     from kiln.kernels import triton_kernels as tk
     cases = [(512, (128, 256)), (256, (1024, 2048))]
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.int8):
+    for kv_dtype in [getattr(torch, name) for name in args.attn_dtypes.split(",")]:
         for batch, context in cases:
             q, caches, tables, lens, starts, scale = _decode_attention_case(batch, context, kv_dtype, layers=6)
             nbytes = int(lens.sum()) * 8 * 128 * 2 * kv_dtype.itemsize
             times, reference = {}, None
-            for tile, warps, stages in ATTN_SWEEP:
-                run = lambda c, t=tile, w=warps, st=stages: tk.paged_attention(  # noqa: E731
-                    q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t, kv_scale=scale, launch=(w, st))
+            for config in ATTN_SWEEP:
+                tile, warps, stages, prefetch = config
+                if prefetch and kv_dtype == torch.bfloat16:
+                    continue
+                run = lambda c, t=tile, w=warps, st=stages, pf=prefetch: tk.paged_attention(  # noqa: E731
+                    q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t, kv_scale=scale, launch=(w, st),
+                    prefetch=pf)
                 try:
                     out = run(caches[0])
                     if reference is None:
                         reference = out
                     err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
                     if err > 1e-2:
-                        times[tile, warps, stages] = f"WRONG {err:.1e}"
+                        times[config] = f"WRONG {err:.1e}"
                         continue
-                    times[tile, warps, stages] = _graph_seconds([lambda c=c: run(c) for c in caches])
+                    times[config] = _graph_seconds([lambda c=c: run(c) for c in caches])
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-                    times[tile, warps, stages] = f"fail {type(exc).__name__}"
+                    times[config] = f"fail {type(exc).__name__}"
             ok = {c: t for c, t in times.items() if isinstance(t, float)}
             best = min(ok, key=ok.get)
             name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[kv_dtype]
             log(f"attn_{name}_b{batch}_ctx{context[0]}-{context[1]}",
-                f"default 64/4/2 {ok.get((64, 4, 2), 0) * 1e6:.1f}us {nbytes / ok.get((64, 4, 2), 1) / 1e12:.2f}TB/s | "
+                f"default 64/4/2 {ok.get((64, 4, 2, False), 0) * 1e6:.1f}us "
+                f"{nbytes / ok.get((64, 4, 2, False), 1) / 1e12:.2f}TB/s | "
                 f"best {best} {ok[best] * 1e6:.1f}us {nbytes / ok[best] / 1e12:.2f}TB/s | all " +
-                " ".join(f"{c[0]}/{c[1]}/{c[2]}:{t * 1e6:.1f}" if isinstance(t, float) else f"{c}:{t}"
+                " ".join(f"{c[0]}/{c[1]}/{c[2]}/{int(c[3])}:{t * 1e6:.1f}" if isinstance(t, float) else f"{c}:{t}"
                          for c, t in times.items()))
             del caches
             torch.cuda.empty_cache()
@@ -495,12 +501,15 @@ def attn_sweep(args):
 def timeline(args):
     """Where a 128/128 throughput run's time goes: every engine step's wall time, by kind (steps with prompt
     tokens, pure decode steps), and how long the host waited for the device's tokens (overlapped steps: a host
-    that never waits is the bottleneck). One run per mode in --timeline_modes (ALGO or ALGO+KV, bf16 = none)."""
+    that never waits is the bottleneck). One run per mode in --timeline_modes: ALGO (bf16 = none), then +INT8 or
+    +FP8 for a quantized KV cache and +lm_head for quantize_lm_head."""
     from kiln.config import QuantConfig
     from kiln.runtime import model_runner
     for mode in args.timeline_modes.split(","):
-        algo, _, kv = mode.partition("+")
-        quant = QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv or None)
+        algo, *extras = mode.split("+")
+        kv = next((e for e in extras if e in ("INT8", "FP8")), None)
+        quant = QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv,
+                            exclude_modules=[] if "lm_head" in extras else ["lm_head"])
         build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
         engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
         waits = []
@@ -514,7 +523,7 @@ def timeline(args):
         model_runner.Launch.host_tokens = timed_host_tokens
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
                  enable_trt_overlap=True) as llm:
-            bench.run_requests(llm, bench.random_prompts(16, 128, 128000, seed=1), 8)
+            bench.warm_up(llm, 128, 128000, args.max_batch)
             core, steps = llm.core, []
             step = core.step
 
@@ -583,6 +592,7 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
+    p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")
     args = p.parse_args()
