@@ -254,20 +254,21 @@ class DecoderForCausalLM(nn.Module):
             return x + residual
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) → (N, vocab) float32 logits (vocabulary shards gathered from the tensor-parallel ranks)."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """(N, hidden) → (N, vocab) logits, float32 or (float32=False) in the model's dtype — enough for an argmax
+        and half the bytes (vocabulary shards gathered from the tensor-parallel ranks)."""
         config, comm = self.config, self.comm
         if self.lm_head is not None:
-            local = self.lm_head(hidden)
+            logits = comm.all_gather(self.lm_head(hidden), dim=-1)[:, :config.vocab_size]
         elif not config.use_parallel_embedding or comm.tp_size == 1:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = F.linear(hidden, self.embed_tokens.weight)
         elif config.embedding_sharding_dim == 1:
             cols = self.embed_tokens.weight.shape[1]
-            return comm.all_reduce(F.linear(hidden[:, comm.tp_rank * cols:(comm.tp_rank + 1) * cols],
-                                            self.embed_tokens.weight)).float()
+            logits = comm.all_reduce(F.linear(hidden[:, comm.tp_rank * cols:(comm.tp_rank + 1) * cols],
+                                              self.embed_tokens.weight))
         else:
-            local = F.linear(hidden, self.embed_tokens.weight)
-        return comm.all_gather(local, dim=-1)[:, :config.vocab_size].float()
+            logits = comm.all_gather(F.linear(hidden, self.embed_tokens.weight), dim=-1)[:, :config.vocab_size]
+        return logits.float() if float32 else logits
 
 
 _SHARED = ("input_scale", "smoother")   # per input channel/tensor: the same for every fused part

@@ -60,7 +60,7 @@ class CudaGraphs:
 
     def _forward(self, size: int, parts) -> torch.Tensor:
         hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size, parts), self.kv_caches)
-        return self.net.compute_logits(hidden)
+        return self.net.compute_logits(hidden, float32=False)      # the runner converts the rows it samples from
 
     def _capture(self, size: int, long: bool, parts) -> None:
         for _ in range(2):                                  # compile and warm every kernel outside the capture
@@ -76,7 +76,7 @@ class CudaGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             tables: list[list[int]], long: bool = False, fill=None) -> torch.Tensor:
-        """Logits (n, vocab) of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys);
+        """Logits (n, vocab), in the model's dtype, of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys);
         `fill` = (rows, device tokens): input ids that are only on the device yet."""
         n, b = len(input_ids), self.max_batch
         size = next(s for s in self.sizes if s >= n)

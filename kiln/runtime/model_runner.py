@@ -233,8 +233,9 @@ class ModelRunner:
         return context
 
     def run_step(self, step: Step, fill=None) -> torch.Tensor | None:
-        """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32). Steps
-        where every sequence computes its one next token replay a CUDA graph when there is one. `fill`:
+        """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32, or the model's
+        dtype from a CUDA graph). Steps where every sequence computes its one next token replay a CUDA graph when
+        there is one. `fill`:
         (packed rows, device tokens) to put into the input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
@@ -315,7 +316,8 @@ class ModelRunner:
                 continue
             for seq in request.seqs:
                 if seq.seq_id in row_of:
-                    self.last_logits[seq.seq_id] = rows[row_of[seq.seq_id]].clone()   # rows may be a graph's buffer
+                    # a float32 copy: rows may be a graph's buffer, in the model's dtype
+                    self.last_logits[seq.seq_id] = rows[row_of[seq.seq_id]].to(torch.float32, copy=True)
             if not all(seq.seq_id in self.last_logits for seq in request.seqs):
                 continue                              # a sibling is still being computed
             own = torch.stack([self.last_logits.pop(seq.seq_id) for seq in request.seqs])
@@ -330,7 +332,7 @@ class ModelRunner:
         if self.gather_generation_logits:
             for request in requests:
                 if request.seqs and request.seqs[0].seq_id in row_of and request.request_id in result.tokens:
-                    gathered.generation[request.request_id] = rows[row_of[request.seqs[0].seq_id]].cpu()
+                    gathered.generation[request.request_id] = rows[row_of[request.seqs[0].seq_id]].float().cpu()
         return result
 
     def _simple(self, request: Request, row_of: dict[int, int]) -> bool:
