@@ -431,8 +431,7 @@ def fp8_fused(args):
     llama.QuantLinear.takes_fp8_rows = takes
 
 
-ATTN_SWEEP = [(tile, warps, stages, prefetch) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)
-              for prefetch in (False, True)]
+ATTN_SWEEP = [(tile, 4, stages, words) for tile in (32, 64, 128) for stages in (2, 3, 4) for words in (True, False)]
 
 
 def _decode_attention_case(batch: int, context: tuple[int, int], kv_dtype, layers: int, seed: int = 0):
@@ -467,12 +466,12 @@ def attn_sweep(args):
             nbytes = int(lens.sum()) * 8 * 128 * 2 * kv_dtype.itemsize
             times, reference = {}, None
             for config in ATTN_SWEEP:
-                tile, warps, stages, prefetch = config
-                if prefetch and kv_dtype == torch.bfloat16:
+                tile, warps, stages, words = config
+                if not words and kv_dtype == torch.bfloat16:
                     continue
-                run = lambda c, t=tile, w=warps, st=stages, pf=prefetch: tk.paged_attention(  # noqa: E731
+                run = lambda c, t=tile, w=warps, st=stages, wl=words: tk.paged_attention(  # noqa: E731
                     q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t, kv_scale=scale, launch=(w, st),
-                    prefetch=pf)
+                    word_loads=wl)
                 try:
                     out = run(caches[0])
                     if reference is None:
@@ -488,8 +487,8 @@ def attn_sweep(args):
             best = min(ok, key=ok.get)
             name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[kv_dtype]
             log(f"attn_{name}_b{batch}_ctx{context[0]}-{context[1]}",
-                f"default 64/4/2 {ok.get((64, 4, 2, False), 0) * 1e6:.1f}us "
-                f"{nbytes / ok.get((64, 4, 2, False), 1) / 1e12:.2f}TB/s | "
+                f"default 64/4/2 {ok.get((64, 4, 2, True), 0) * 1e6:.1f}us "
+                f"{nbytes / ok.get((64, 4, 2, True), 1) / 1e12:.2f}TB/s | "
                 f"best {best} {ok[best] * 1e6:.1f}us {nbytes / ok[best] / 1e12:.2f}TB/s | all " +
                 " ".join(f"{c[0]}/{c[1]}/{c[2]}/{int(c[3])}:{t * 1e6:.1f}" if isinstance(t, float) else f"{c}:{t}"
                          for c, t in times.items()))

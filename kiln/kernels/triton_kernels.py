@@ -282,13 +282,13 @@ def _paged_attention_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr, scale, window, kv_scale_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
-        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, PREFETCH: tl.constexpr,
+        NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WORD_LOADS: tl.constexpr,
         PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K).
-    PREFETCH (quantized caches): the next tile's words are loaded before this tile's math, by hand, since loads
-    whose values are converted in registers are not pipelined by num_stages."""
+    WORD_LOADS (quantized caches): read the cache as int32 words converted by _cache_words_to_fp16; otherwise as
+    8-bit values converted by Triton."""
     _wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -327,20 +327,11 @@ def _paged_attention_kernel(
     t = tl.arange(0, TILE)
     w = tl.arange(0, DIM // 4)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    WORDS: tl.constexpr = KV_QUANT > 0 and q.dtype == tl.float16      # read as int32 words of four values
-    if WORDS and PREFETCH:
-        k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, first, stop, t, w, kv_head, KV_HEADS,
-                                             BLOCK_TOKENS, DIM)
+    WORDS: tl.constexpr = KV_QUANT > 0 and q.dtype == tl.float16 and WORD_LOADS
     for start in range(first, stop, TILE):
         kv_pos = start + t
         in_range = kv_pos < stop
-        if WORDS and PREFETCH:
-            next_k, next_v = _load_cache_words(cache_ptr, cache_half, table, start + TILE, stop, t, w, kv_head,
-                                               KV_HEADS, BLOCK_TOKENS, DIM)
-            k = _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM)
-            v = _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
-            k_words, v_words = next_k, next_v
-        elif WORDS:
+        if WORDS:
             k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS,
                                                  BLOCK_TOKENS, DIM)
             k = _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM)
@@ -396,24 +387,24 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
 
 
 def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tuple[int, int], bool]:
-    """(keys per tile, (num_warps, num_stages), prefetch) of the paged attention kernel."""
-    return 64, (4, 2), False
+    """(keys per tile, (num_warps, num_stages), word loads of a quantized cache) of the paged attention kernel."""
+    return 64, (4, 2), True
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, launch: tuple[int, int] | None = None,
-                    prefetch: bool | None = None) -> torch.Tensor:
+                    word_loads: bool | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
-    tile (keys per iteration), launch (num_warps, num_stages) and prefetch default to attention_config's choice."""
+    tile (keys per iteration), launch (num_warps, num_stages) and word_loads default to attention_config's choice."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
-    default_tile, default_launch, default_prefetch = attention_config(max_query_len, kv_cache.dtype)
+    default_tile, default_launch, default_words = attention_config(max_query_len, kv_cache.dtype)
     tile, (num_warps, num_stages) = tile or default_tile, launch or default_launch
-    prefetch = default_prefetch if prefetch is None else prefetch
+    word_loads = default_words if word_loads is None else word_loads
     group = heads // kv_heads
     group_pad = max(1, triton.next_power_of_2(group))
     block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
@@ -434,7 +425,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
         DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
         NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **_launch())
+        WORD_LOADS=word_loads, num_warps=num_warps, num_stages=num_stages, **_launch())
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4,
