@@ -331,10 +331,13 @@ def quant_kernels(args):
 
 @phase
 def quant_latency(args):
-    """Weight-only batch-1 decode of the 8B shape (3 prompts of 128 tokens, 128 new tokens, the first a warm-up)."""
-    for algo in ("W4A16_AWQ", "W8A16"):
-        log(f"quant_{algo}_bs1_decode_tok_s",
-            _decode_tok_s(algo, new_tokens=128, profile=f"latency_{algo}" if args.profile else None))
+    """Batch-1 decode of the 8B shape (3 prompts of 128 tokens, 128 new tokens, the first a warm-up) per mode of
+    --latency_modes: ALGO (bf16 = none), +lm_head for quantize_lm_head."""
+    for mode in args.latency_modes.split(","):
+        algo, *extras = mode.split("+")
+        log(f"quant_{mode}_bs1_decode_tok_s",
+            _decode_tok_s(None if algo == "bf16" else algo, new_tokens=128, lm_head="lm_head" in extras,
+                          profile=f"latency_{mode.replace('+', '_')}" if args.profile else None))
 
 
 @phase
@@ -358,12 +361,13 @@ def quant_fp8_throughput(args):
             _profile_fp8_decode(llm)
 
 
-def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None) -> float:
-    """Batch-1 decode tok/s (median TPOT) of the 8B shape, bf16 or weight-only quantized (round to nearest)."""
+def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None, lm_head: bool = False) -> float:
+    """Batch-1 decode tok/s (median TPOT) of the 8B shape, bf16 or weight-only quantized (round to nearest; lm_head:
+    the LM head too)."""
     from kiln.config import QuantConfig
     build = bench.default_bench_build("latency", 128, new_tokens, 1)
-    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
-                                 quant_config=QuantConfig(quant_algo=algo) if algo else None)
+    quant = QuantConfig(quant_algo=algo, exclude_modules=[] if lm_head else ["lm_head"]) if algo else None
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
         outputs = []
         for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
@@ -591,6 +595,7 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
+    p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")
