@@ -395,6 +395,17 @@ def pdl(args):
     tk.PDL_ENABLED = None
 
 
+def _overlapped_tok_s(engine, args, profile: bool) -> float:
+    """Output tok/s of --requests 128/128 requests with overlapped steps, after a warm-up on the same shapes."""
+    with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
+             enable_trt_overlap=True) as llm:
+        bench.warm_up(llm, 128, 128000, args.max_batch)
+        outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+        if profile:
+            _profile_fp8_decode(llm)
+    return round(sum(len(o.token_ids) for o in outputs) / elapsed, 1)
+
+
 @phase
 def fp8_overlap(args):
     """FP8 per-token 128/128 throughput with overlapped steps; fast accumulation off and on."""
@@ -404,13 +415,7 @@ def fp8_overlap(args):
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
     for fast in (False, True):
         engine.build_config.plugin_config.fp8_fast_accumulation = fast
-        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
-                 enable_trt_overlap=True) as llm:
-            bench.warm_up(llm, 128, 128000, args.max_batch)
-            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
-            log(f"fp8_overlap_fast_accum_{fast}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
-            if args.profile and fast:
-                _profile_fp8_decode(llm)
+        log(f"fp8_overlap_fast_accum_{fast}_out_tok_s", _overlapped_tok_s(engine, args, args.profile and fast))
 
 
 @phase
@@ -425,13 +430,7 @@ def fp8_fused(args):
     takes = llama.QuantLinear.takes_fp8_rows
     for fused in (False, True):
         llama.QuantLinear.takes_fp8_rows = takes if fused else property(lambda self: False)
-        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
-                 enable_trt_overlap=True) as llm:
-            bench.warm_up(llm, 128, 128000, args.max_batch)
-            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
-            log(f"fp8_fused_{fused}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
-            if args.profile and fused:
-                _profile_fp8_decode(llm)
+        log(f"fp8_fused_{fused}_out_tok_s", _overlapped_tok_s(engine, args, args.profile and fused))
     llama.QuantLinear.takes_fp8_rows = takes
 
 
