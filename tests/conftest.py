@@ -9,6 +9,25 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _interpreter_scalars_as_numpy_24_wants() -> None:
+    """Triton 3.6's interpreter turns a kernel's scalar arguments into 1-element arrays and indexes with
+    int(array), which NumPy 2.4 refuses for arrays of one dimension; loops over a runtime bound (range(0, K, ·))
+    then fail. Its per-launch patch of tl.tensor.__index__ is wrapped to take the element."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalars_as_numpy_24_wants()
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 VOCAB = 320  # 256 bytes + specials + unused rows, as real vocabularies have
