@@ -225,6 +225,35 @@ def test_weight_only_gemv(algo, n, k):
             assert rel_err(out, ref) < 5e-3, (rows, config, rel_err(out, ref))
 
 
+def _gpu_layout(algo: str, params: dict, gated: bool = False) -> dict:
+    from kiln.kernels import triton_kernels as tk
+
+    layout, packed = tk.pack_quant(algo, params, gated)
+    return {**params, **packed, "layout": layout}
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_gate_up_gemv_writes_silu(algo):
+    """The 8B gate_up on paired rows: the GEMV's SiLU(gate)·up equals the unfused GEMV + silu_and_mul bit for bit
+    (1-4 rows) and the float64 reference; above 4 rows the tiled kernel + silu_and_mul reading the pairs."""
+    from kiln.kernels import ReferenceOps
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    params = _quantized(algo, torch.randn((28672, 4096), generator=g, device=CUDA) * 0.05)
+    paired, plain = _gpu_layout(algo, params, gated=True), _gpu_layout(algo, params)
+    assert paired["layout"].paired_rows
+    for rows in (1, 2, 3, 4, 5, 64):
+        x = (torch.rand((rows, 4096), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        fused = tk.quant_linear_silu(x, algo, paired, None)
+        unfused = tk.silu_and_mul(tk.quant_linear(x, algo, plain, None))
+        if rows <= 4:
+            assert torch.equal(fused, unfused), rows
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, {k: v.double() if v.is_floating_point() else v
+                                                                for k, v in params.items()})
+        assert rel_err(fused, ref) < 1e-2 and rel_err(unfused, ref) < 1e-2, rows
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_fp8_activation_quantization_kernel(static):
     from kiln.kernels import quant

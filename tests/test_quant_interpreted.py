@@ -109,3 +109,51 @@ def test_interpreted_norm_and_silu_with_fp8_output(interpreted):
         carry_dropped = (torch.frexp(ref_q)[0].abs() == 0.5) & (q == ref_q / 2)     # the interpreter's e4m3 cast
         one_step = (q - ref_q).abs() <= ref_q.abs() / 8 + 2 ** -9                  # exp's last bits may differ
         assert (q == ref_q).float().mean() > 0.95 and (one_step | carry_dropped).all()
+
+
+def _reference_params(params: dict) -> dict:
+    return {key: v.double() if v.is_floating_point() else v for key, v in params.items()}
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_gate_up_rows_are_paired_at_load(interpreted, algo, monkeypatch):
+    """A gate/up projection's rows alternate gate, up in the GPU layout (scales and zero points with them); the
+    switch off, or an ungated layer, keeps the engine's row order."""
+    params = _params(algo, torch.randn(12, 64, generator=torch.Generator().manual_seed(2)))
+    plain = interpreted.pack_quant(algo, params)[1]
+    layout, paired = interpreted.pack_quant(algo, params, gated=True)
+    assert layout.paired_rows and not interpreted.pack_quant(algo, params)[0].paired_rows
+    for name, t in paired.items():
+        assert torch.equal(interpreted.pair_gate_up_rows(t, inverse=True), plain[name]), name
+    assert torch.equal(paired["weight"][1], plain["weight"][6]) and torch.equal(paired["weight"][2], plain["weight"][1])
+    monkeypatch.setattr(interpreted, "GEMV_SILU", False)
+    assert not interpreted.pack_quant(algo, params, gated=True)[0].paired_rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_GPTQ", "W4A16_AWQ"])
+@pytest.mark.parametrize("inter, k, config", [(10, 576, (8, 32, False)), (24, 256, (4, 64, True)), (12, 1536, None)])
+def test_interpreted_gemv_writes_silu_of_paired_gate_up(interpreted, algo, inter, k, config):
+    """SiLU(gate)·up from the GEMV on paired rows against the float64 reference (quant_linear, then silu_and_mul) at
+    1-4 rows; 2·10 rows: a partial program; 576 columns: a short last group; then the >4-row path (tiled kernel +
+    silu_and_mul on the pairs) and a plain call on the paired layout, which must still give [gate | up]."""
+    from kiln.kernels import ReferenceOps
+
+    g = torch.Generator().manual_seed(inter + k)
+    params = _params(algo, torch.randn(2 * inter, k, generator=g), group=128 if algo == "W4A16_AWQ" else 64)
+    layout, packed = interpreted.pack_quant(algo, params, gated=True)
+    gpu = {**params, **packed, "layout": layout}
+    bits = 8 if algo == "W8A16" else 4
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.rand(rows, k, generator=g) * 2 - 0.5
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _reference_params(params))
+        if rows <= 4:
+            out = interpreted.weight_only_gemv(x, packed["weight"], packed["weight_scale"], packed.get("weight_zero"),
+                                               bits, config, silu=True)
+            products = interpreted.weight_only_gemv(x, packed["weight"], packed["weight_scale"],
+                                                    packed.get("weight_zero"), bits, config)
+            assert torch.equal(out, interpreted.silu_and_mul(products, paired=True))   # rounded the same
+        else:
+            out = interpreted.quant_linear_silu(x, algo, gpu, None)
+            plain = interpreted.quant_linear(x, algo, gpu, None)
+            assert _rel(plain, quant.quant_linear(x.double(), algo, _reference_params(params), None)) < 1e-5
+        assert out.shape == (rows, inter) and _rel(out, ref) < 1e-5, (rows, _rel(out, ref))

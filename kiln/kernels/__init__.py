@@ -22,9 +22,15 @@ class ReferenceOps:
     quant_linear = staticmethod(quant.quant_linear)
 
     @staticmethod
-    def pack_quant(algo: str, params: dict):
-        """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout."""
+    def pack_quant(algo: str, params: dict, gated: bool = False):
+        """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout. gated: a
+        gate/up projection (without bias) read through quant_linear_silu, whose rows the kernels may reorder."""
         return None
+
+    @classmethod
+    def quant_linear_silu(cls, x, algo: str, params: dict, bias=None):
+        """SiLU(gate)·up of a quantized gate/up projection of x."""
+        return cls.silu_and_mul(cls.quant_linear(x, algo, params, bias))
 
     # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
     @staticmethod
@@ -88,8 +94,11 @@ class TritonOps(ReferenceOps):
     def quant_linear(self, x, algo, params, bias=None):
         return self._k.quant_linear(x, algo, params, bias, self.fp8_fast_accumulation)
 
-    def pack_quant(self, algo: str, params: dict):
-        return self._k.pack_quant(algo, params)
+    def quant_linear_silu(self, x, algo, params, bias=None):
+        return self._k.quant_linear_silu(x, algo, params, bias, self.fp8_fast_accumulation)
+
+    def pack_quant(self, algo: str, params: dict, gated: bool = False):
+        return self._k.pack_quant(algo, params, gated)
 
 
 def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_accumulation: bool = True):

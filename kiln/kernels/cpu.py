@@ -114,7 +114,7 @@ class CpuOps(ReferenceOps):
     name = "cpu"
 
     @staticmethod
-    def pack_quant(algo: str, params: dict):
+    def pack_quant(algo: str, params: dict, gated: bool = False):
         if algo == "W8A16" and int8_kernel_works() or algo.startswith("W4A16") and int4_kernel_works():
             return CpuOps.pack_kernel(algo, params) or (DENSE_LAYOUT, pack_dense(algo, params))
         return DENSE_LAYOUT, pack_dense(algo, params)

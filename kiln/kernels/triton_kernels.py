@@ -5,6 +5,7 @@ Shapes follow the reference: packed tokens (T, ·), KV cache per layer (2, num_b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -117,15 +118,31 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 # --- SiLU(gate) * up -----------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul(gate, up):
+    """SiLU(gate)·up in up's dtype, rounded as reference.silu_and_mul (SiLU rounded, then the product)."""
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(up.dtype) * up
+
+
+@triton.jit
+def _gate_and_up(x_ptr, row, cols, mask, n_cols, PAIRED: tl.constexpr):
+    """Columns `cols` of a row's gate and up halves; PAIRED: the row alternates gate, up (pair_gate_up_rows)."""
+    if PAIRED:
+        both = tl.load(x_ptr + row * 2 * n_cols + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None],
+                       other=0.0)
+        return tl.split(both)
+    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0)
+    return gate, tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr):
     _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * n_cols + cols, act * up, mask=mask)
+    gate, up = _gate_and_up(x_ptr, row, cols, mask, n_cols, PAIRED)
+    tl.store(out_ptr + row * n_cols + cols, _silu_mul(gate, up), mask=mask)
 
 
 @triton.jit
@@ -135,9 +152,8 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, n_cols, BLOCK: tl.constexp
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
-    act = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    gate, up = _gate_and_up(x_ptr, row, cols, mask, n_cols, False)
+    act = _silu_mul(gate, up).to(tl.float32)
     _store_fp8_row(act, _fp8_row_scale(act), mask, q_ptr + row * n_cols + cols, scale_ptr, row)
 
 
@@ -151,11 +167,13 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(q, scale, x.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, paired: bool = False) -> torch.Tensor:
+    """SiLU(gate)·up of x = [gate | up] per row, or (paired) x's columns alternating gate, up."""
     n = x.shape[-1] // 2
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, num_warps=4, **_launch())
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, PAIRED=paired, num_warps=4,
+                                                               **_launch())
     return out
 
 
@@ -440,7 +458,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 # j-th values are four consecutive columns: word i, value j holds column 4j + i of the block (a block spans 32
 # columns of int4, 16 of int8). The decode GEMV then multiplies value j of four adjacent words by one contiguous
 # slice of x, with 16-byte weight loads and no gathers.
-INTERLEAVED = "interleaved"
+#
+# Fusions of the decode GEMV, each a switch read when a network is loaded (benchmarks/gpu_suite.py's gemv_fusions
+# phase flips them between loads to measure each off and on; docs/quantization.md):
+GEMV_SILU = True      # gate_up's rows paired at load; its GEMV writes SiLU(gate)·up (no silu_and_mul kernel)
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """The GPU's layout of a weight-only layer, made at load and never stored: columns interleaved within 16-byte
+    blocks (interleave_weight); paired_rows: a gate/up projection's gate and up rows alternate (pair_gate_up_rows),
+    so that each GEMV program holds matching pairs and writes SiLU(gate)·up."""
+    paired_rows: bool = False
+
+
+INTERLEAVED = Interleaved()
 
 
 def _block_columns(bits: int) -> int:
@@ -460,16 +492,37 @@ def interleave_weight(weight: torch.Tensor, bits: int, inverse: bool = False) ->
     return pack_int4(values) if bits == 4 else values.contiguous()
 
 
-def pack_quant(algo: str, params: dict) -> tuple[str, dict] | None:
-    """The GPU's own layout of a quantized layer's parameters, made once at load: (layout name, replaced tensors),
-    or None where the engine layout is used as it is."""
-    if algo != "W8A16" and not algo.startswith("W4A16"):
+def pair_gate_up_rows(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rows [gate 0..I-1 | up 0..I-1] → gate i at row 2i, up i at 2i + 1 (any trailing shape); `inverse` undoes it."""
+    halves = t.reshape(t.shape[0] // 2, 2, *t.shape[1:]) if inverse else t.reshape(2, t.shape[0] // 2, *t.shape[1:])
+    return halves.transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def _weight_only(algo: str) -> bool:
+    return algo == "W8A16" or algo.startswith("W4A16")
+
+
+def _paired(params: dict) -> bool:
+    layout = params.get("layout")
+    return isinstance(layout, Interleaved) and layout.paired_rows
+
+
+def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleaved, dict] | None:
+    """The GPU's own layout of a quantized layer's parameters, made once at load: (layout, replaced tensors), or None
+    where the engine layout is used as it is. gated: a gate/up projection without bias, read by quant_linear_silu."""
+    if not _weight_only(algo):
         return None
     bits = 8 if algo == "W8A16" else 4
     weight = params["weight"]
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
-    return INTERLEAVED, {"weight": interleave_weight(weight, bits)}
+    tensors = {"weight": interleave_weight(weight, bits), "weight_scale": params["weight_scale"]}
+    if "weight_zero" in params:
+        tensors["weight_zero"] = params["weight_zero"]
+    paired = gated and GEMV_SILU
+    if paired:
+        tensors = {name: pair_gate_up_rows(t) for name, t in tensors.items()}
+    return Interleaved(paired_rows=paired), tensors
 
 
 @triton.jit
@@ -524,20 +577,29 @@ def _load_words(w_rows, kw, n_ok, ROW_WORDS, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _store_row(out_ptr, acc, n, n_ok, row_scale):
-    tl.store(out_ptr + n, (tl.sum(acc, axis=1) * row_scale).to(out_ptr.dtype.element_ty), mask=n_ok)
+def _store_row(out_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """Row `row` of the products with the program's weight rows n, in out's dtype; SILU (the rows alternate gate,
+    up): SiLU(gate)·up of each pair into out's N/2 columns, rounded as the GEMV's output and silu_and_mul are."""
+    y = (tl.sum(acc, axis=1) * row_scale).to(out_ptr.dtype.element_ty)
+    if SILU:
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + row * (N // 2) + c, _silu_mul(gate, up), mask=c < N // 2)
+    else:
+        tl.store(out_ptr + row * N + n, y, mask=n_ok)
 
 
 @triton.jit
 def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_WORDS, GROUPS,
                              BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
-                             PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                             PREFETCH: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     """out (ROWS ≤ 4, N) = x @ dequant(w)^T on interleaved words (w viewed as int32, ROW_WORDS per row). Each program
     streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
     converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
-    row; EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math."""
+    row; EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math;
+    SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up."""
     VALS: tl.constexpr = 32 // BITS
     COLS: tl.constexpr = 4 * VALS
     W: tl.constexpr = 4 * BLOCKS
@@ -609,13 +671,13 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
         row_scale = UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     else:
         row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    _store_row(out_ptr, acc0, n, n_ok, row_scale)
+    _store_row(out_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU)
     if ROWS > 1:
-        _store_row(out_ptr + N, acc1, n, n_ok, row_scale)
+        _store_row(out_ptr, acc1, 1, n, n_ok, row_scale, N, BLOCK_N, SILU)
     if ROWS > 2:
-        _store_row(out_ptr + 2 * N, acc2, n, n_ok, row_scale)
+        _store_row(out_ptr, acc2, 2, n, n_ok, row_scale, N, BLOCK_N, SILU)
     if ROWS > 3:
-        _store_row(out_ptr + 3 * N, acc3, n, n_ok, row_scale)
+        _store_row(out_ptr, acc3, 3, n, n_ok, row_scale, N, BLOCK_N, SILU)
 
 
 GEMV_MAX_ROWS = 4
@@ -640,9 +702,10 @@ def gemv_config(n: int, k: int, rows: int, bits: int) -> tuple[int, int, bool]:
 
 
 def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                     bits: int, config: tuple[int, int, bool] | None = None) -> torch.Tensor:
+                     bits: int, config: tuple[int, int, bool] | None = None, silu: bool = False) -> torch.Tensor:
     """x (at most GEMV_MAX_ROWS rows: decoding) @ dequant(w)^T for interleaved weights (interleave_weight),
-    reading each weight byte once."""
+    reading each weight byte once; silu: the rows alternate gate, up (pair_gate_up_rows) and the result is
+    SiLU(gate)·up, (rows, N/2)."""
     from .quant import int4_group_size
 
     m, k = x.shape
@@ -651,12 +714,12 @@ def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     groups = scale2d.shape[1]
     block_n, blocks, prefetch = config or gemv_config(n, k, m, bits)
     even = n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, n, k,
         k * bits // 32, groups, BITS=bits, HAS_ZERO=zero is not None,
         GROUP=0 if groups == 1 else int4_group_size(k, groups), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
-        PREFETCH=prefetch, num_warps=blocks // 32, **_launch())
+        PREFETCH=prefetch, SILU=silu, num_warps=blocks // 32, **_launch())
     return out
 
 
@@ -700,16 +763,12 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     triton_weight_only (more), FP8 activations quantized by one Triton kernel into torch._scaled_mm (fast
     accumulation as the build chose), torch._int_mm for W8A8 (the reference where a product's shape is below
     those kernels' minimums)."""
-    from . import quant, triton_weight_only
+    from . import quant
 
-    if algo == "W8A16" or algo.startswith("W4A16"):
-        bits = 8 if algo == "W8A16" else 4
-        interleaved = params.get("layout") == INTERLEAVED
-        if interleaved and x.shape[0] <= GEMV_MAX_ROWS:
-            out = weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
-        else:
-            out = triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
-                                                        params.get("weight_zero"), bits, interleaved)
+    if _weight_only(algo):
+        out = _weight_only_product(x, algo, params)
+        if _paired(params):                              # back to [gate | up]
+            out = out.reshape(out.shape[0], -1, 2).transpose(1, 2).reshape(out.shape)
     elif algo.startswith("FP8"):
         if isinstance(x, Fp8Rows):
             qx, sx, dtype = x.values, x.scale, x.dtype
@@ -725,3 +784,28 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     else:
         return quant.quant_linear(x, algo, params, bias)
     return out if bias is None else out + bias
+
+
+def _weight_only_product(x: torch.Tensor, algo: str, params: dict) -> torch.Tensor:
+    """x @ dequant(w)^T of a weight-only layer, its columns in the order of the stored rows: the decode GEMV on the
+    interleaved layout, triton_weight_only for more rows or the engine layout."""
+    from . import triton_weight_only
+
+    bits = 8 if algo == "W8A16" else 4
+    interleaved = isinstance(params.get("layout"), Interleaved)
+    if interleaved and x.shape[0] <= GEMV_MAX_ROWS:
+        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
+    return triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
+                                                 params.get("weight_zero"), bits, interleaved)
+
+
+def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
+                      fp8_fast_accumulation: bool = True) -> torch.Tensor:
+    """SiLU(gate)·up of a quantized gate/up projection: on paired rows (Interleaved.paired_rows) by the decode GEMV
+    itself (≤ 4 rows) or by silu_and_mul reading the pairs; otherwise quant_linear, then silu_and_mul."""
+    if not _paired(params):
+        return silu_and_mul(quant_linear(x, algo, params, bias, fp8_fast_accumulation))
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
+                                8 if algo == "W8A16" else 4, silu=True)
+    return silu_and_mul(_weight_only_product(x, algo, params), paired=True)

@@ -46,15 +46,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x):
-        return self.ops.linear(x, self.weight, self.bias)
+    def forward(self, x, silu: bool = False):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output."""
+        out = self.ops.linear(x, self.weight, self.bias)
+        return self.ops.silu_and_mul(out) if silu else out
 
 
 class QuantLinear(nn.Module):
     """A linear layer with quantized weights (formats in kiln.kernels.quant)."""
 
     ops = ReferenceOps
-    layout: str | None = None    # the kernels' own weight layout (set at load), or None: the engine's
+    layout = None      # the kernels' own weight layout (set at load), or None: the engine's
+    gated = False      # a gated MLP's gate/up projection: the kernels may pair its rows for calls with silu=True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
         super().__init__()
@@ -73,13 +76,16 @@ class QuantLinear(nn.Module):
     def use_kernel_layout(self) -> None:
         """Re-pack the weights once for the chosen kernels, where they have a layout of their own; the engine-layout
         tensors are replaced, not kept beside."""
-        packed = self.ops.pack_quant(self.algo, self.quant_params())
+        packed = self.ops.pack_quant(self.algo, self.quant_params(), gated=self.gated and self.bias is None)
         if packed is not None:
             self.layout, tensors = packed
             for name, tensor in tensors.items():
                 setattr(self, name, tensor)
 
-    def forward(self, x):
+    def forward(self, x, silu: bool = False):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it)."""
+        if silu:
+            return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
 
     @property
@@ -135,10 +141,12 @@ class GatedMLP(nn.Module):
         inter = local_dims(config).intermediate
         self.gate_up_proj = make_linear("mlp.gate_up_proj", config.hidden_size, 2 * inter, config.mlp_bias, config)
         self.down_proj = make_linear("mlp.down_proj", inter, config.hidden_size, config.mlp_bias, config)
+        if isinstance(self.gate_up_proj, QuantLinear):
+            self.gate_up_proj.gated = True
 
     def forward(self, x):
-        act = self.ops.silu_and_mul_fp8 if self.fp8_act else self.ops.silu_and_mul
-        return self.comm.all_reduce(self.down_proj(act(self.gate_up_proj(x))))
+        act = self.ops.silu_and_mul_fp8(self.gate_up_proj(x)) if self.fp8_act else self.gate_up_proj(x, silu=True)
+        return self.comm.all_reduce(self.down_proj(act))
 
 
 class MoE(nn.Module):
