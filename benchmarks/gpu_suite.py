@@ -383,6 +383,24 @@ def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = 
 
 
 @phase
+def decode_fusions(args):
+    """Batch-1 decode of the weight-only modes with each decode-GEMV fusion (module switches of triton_kernels,
+    read when a network is loaded) off, then on."""
+    from kiln.kernels import triton_kernels as tk
+    switches = [name for name in ("GEMV_SILU", "GEMV_FOLDED_NORM", "GEMV_FP16_SCALES") if hasattr(tk, name)]
+    saved = {name: getattr(tk, name) for name in switches}
+    log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))
+    for algo in ("W8A16", "W4A16_AWQ"):
+        for enabled in (False, True):
+            for name in switches:
+                setattr(tk, name, enabled)
+            log(f"decode_fusions_{'on' if enabled else 'off'}_{algo}_bs1_tok_s", _decode_tok_s(algo, new_tokens=128))
+    for name, value in saved.items():
+        setattr(tk, name, value)
+    log("decode_fusions_switches", switches)
+
+
+@phase
 def pdl(args):
     """Batch-1 decode with programmatic dependent launch off and on (bf16, W8A16, W4A16_AWQ g128)."""
     from kiln.kernels import triton_kernels as tk
