@@ -387,14 +387,15 @@ def decode_fusions(args):
     """Batch-1 decode of the weight-only modes with each decode-GEMV fusion (module switches of triton_kernels,
     read when a network is loaded) off, then on."""
     from kiln.kernels import triton_kernels as tk
-    switches = [name for name in ("GEMV_SILU", "GEMV_FOLDED_NORM", "GEMV_FP16_SCALES") if hasattr(tk, name)]
+    switches = [name for name in args.fusion_switches.split(",") if hasattr(tk, name)]
     saved = {name: getattr(tk, name) for name in switches}
     log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))
+    variants = [("off", set()), *[(name, {name}) for name in switches], ("all", set(switches))]
     for algo in ("W8A16", "W4A16_AWQ"):
-        for enabled in (False, True):
+        for label, enabled in variants:
             for name in switches:
-                setattr(tk, name, enabled)
-            log(f"decode_fusions_{'on' if enabled else 'off'}_{algo}_bs1_tok_s", _decode_tok_s(algo, new_tokens=128))
+                setattr(tk, name, name in enabled)
+            log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _decode_tok_s(algo, new_tokens=128))
     for name, value in saved.items():
         setattr(tk, name, value)
     log("decode_fusions_switches", switches)
@@ -612,6 +613,8 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
+    p.add_argument("--fusion_switches", default="GEMV_SILU,GEMV_FOLDED_NORM,GEMV_FP16_SCALES",
+                   help="triton_kernels switches that decode_fusions turns on one at a time, then together")
     p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
