@@ -157,3 +157,123 @@ def test_interpreted_gemv_writes_silu_of_paired_gate_up(interpreted, algo, inter
             plain = interpreted.quant_linear(x, algo, gpu, None)
             assert _rel(plain, quant.quant_linear(x.double(), algo, _reference_params(params), None)) < 1e-5
         assert out.shape == (rows, inter) and _rel(out, ref) < 1e-5, (rows, _rel(out, ref))
+
+
+def _gemv(interpreted, x, algo, packed, config=None, **fusions):
+    return interpreted.weight_only_gemv(x, packed["weight"], packed["weight_scale"], packed.get("weight_zero"),
+                                        8 if algo == "W8A16" else 4, config, **fusions)
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+@pytest.mark.parametrize("n, k, config", [(20, 576, (8, 32, False)), (576, 1536, (32, 64, True))])
+def test_interpreted_gemv_adds_the_residual_and_sums_its_squares(interpreted, algo, n, k, config):
+    """o_proj/down_proj folded: the product added to the residual in place, rounded as add_rms_norm's sum, and one
+    sum of squares per program and row (20 rows: a partial program's missing rows count nothing; wide programs
+    on 576 rows keep the interpreter quick)."""
+    g = torch.Generator().manual_seed(n + k + 1)
+    params = _params(algo, torch.randn(n, k, generator=g), group=128)
+    packed = interpreted.pack_quant(algo, params)[1]
+    for rows in (1, 2, 3, 4):
+        x, residual = torch.rand(rows, k, generator=g) - 0.3, torch.randn(rows, n, generator=g)
+        product = _gemv(interpreted, x, algo, packed, config)
+        summed = _gemv(interpreted, x, algo, packed, config, residual=residual.clone())
+        assert torch.equal(summed.residual, product + residual)
+        block_n = (config or interpreted.gemv_config(n, k, rows, 8 if algo == "W8A16" else 4))[0]
+        assert summed.sum_squares.shape == (rows, -(-n // block_n))
+        assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_GPTQ", "W4A16_AWQ"])
+def test_interpreted_gemvs_fold_the_residual_norm(interpreted, algo):
+    """SmolLM2's widths: down_proj (576 × 1536) adds its product to the residual, the RMSNorm is deferred, and the
+    next qkv-like GEMV (40 × 576, a short last group) and the paired gate_up GEMV (2·12 × 576, SiLU) normalize x
+    as they load it: against the float64 reference (add, rms_norm, product) at 1-4 rows."""
+    from kiln.kernels import DeferredNorm, ReferenceOps, reference
+
+    g = torch.Generator().manual_seed(6)
+    down, qkv, gate_up = (_params(algo, torch.randn(n, k, generator=g), group=128)
+                          for n, k in ((576, 1536), (40, 576), (24, 576)))
+    packed_down = interpreted.pack_quant(algo, down)[1]
+    packed_qkv = interpreted.pack_quant(algo, qkv)[1]
+    packed_gate_up = interpreted.pack_quant(algo, gate_up, gated=True)[1]
+    norm_w, eps = torch.rand(576, generator=g) + 0.5, 1e-5
+    for rows in (1, 2, 3, 4):
+        act, residual = torch.rand(rows, 1536, generator=g) - 0.3, torch.randn(rows, 576, generator=g)
+        summed = _gemv(interpreted, act, algo, packed_down, (32, 64, True), residual=residual.clone())
+        deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, eps)
+        ref_x, _ = reference.add_rms_norm(quant.quant_linear(act.double(), algo, _reference_params(down), None),
+                                          residual.double(), norm_w.double(), eps)
+        ref_qkv = quant.quant_linear(ref_x, algo, _reference_params(qkv), None)
+        ref_act = ReferenceOps.quant_linear_silu(ref_x, algo, _reference_params(gate_up))
+        assert _rel(_gemv(interpreted, deferred, algo, packed_qkv), ref_qkv) < 1e-5, rows
+        assert _rel(_gemv(interpreted, deferred, algo, packed_gate_up, silu=True), ref_act) < 1e-5, rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_interpreted_folded_norm_rounds_as_the_unfused_kernels(interpreted, algo):
+    """In float16 (the interpreter's bfloat16 is not faithful): the folded chain (o_proj adding the residual, the
+    next GEMV normalizing x) against the unfused kernels (GEMV, add_rms_norm, GEMV). The residual sums are equal;
+    the outputs too, but for 1/rms's float32 sum taken in another order (an ulp can move one rounding of x)."""
+    from kiln.kernels import DeferredNorm
+
+    g = torch.Generator().manual_seed(7)
+    o, qkv = (_params(algo, torch.randn(n, k, generator=g) * 0.1, group=128) for n, k in ((576, 256), (40, 576)))
+    packed_o, packed_qkv = interpreted.pack_quant(algo, o)[1], interpreted.pack_quant(algo, qkv)[1]
+    norm_w = (torch.rand(576, generator=g) + 0.5).half()
+    for rows in (1, 4):
+        x, residual = (torch.rand(rows, 256, generator=g) - 0.3).half(), torch.randn(rows, 576, generator=g).half()
+        normed, unfused_residual = interpreted.add_rms_norm(_gemv(interpreted, x, algo, packed_o, (32, 64, True)),
+                                                            residual.clone(), norm_w, 1e-5)
+        summed = _gemv(interpreted, x, algo, packed_o, (32, 64, True), residual=residual.clone())
+        assert torch.equal(summed.residual, unfused_residual)
+        fused = _gemv(interpreted, DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5), algo, packed_qkv)
+        assert _rel(fused, _gemv(interpreted, normed, algo, packed_qkv)) < 1e-3, rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_interpreted_fused_decode_gives_the_reference_tokens(interpreted, tiny_models, algo, monkeypatch):
+    """A tiny quantized Llama on the CPU with its weight-only layers on the GPU's layout and kernels (interpreted):
+    decode steps of 1 and 3 rows run the fused GEMVs (SiLU, residual add, deferred RMSNorm), prompts the tiled
+    kernel; the greedy tokens equal ReferenceOps'. The recorded GEMV calls show the fused path was taken (programs
+    of 16 rows keep the interpreter quick)."""
+    from kiln import LLM, BuildConfig, SamplingConfig
+    from kiln.config import QuantConfig
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+    from kiln.runtime import model_runner
+
+    class GemvOps(ReferenceOps):
+        name = "gemv"
+        pack_quant = staticmethod(interpreted.pack_quant)
+        quant_linear = staticmethod(interpreted.quant_linear)
+        quant_linear_silu = staticmethod(interpreted.quant_linear_silu)
+        quant_linear_before_norm = staticmethod(interpreted.quant_linear_before_norm)
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    model = quantize_model(model, QuantConfig(quant_algo=algo, group_size=32), calib_size=2, quiet=True,
+                           round_to_nearest=True)
+    monkeypatch.setattr(interpreted, "gemv_config", lambda n, k, rows, bits: (16, 32, True))
+    calls = []
+    monkeypatch.setattr(interpreted, "weight_only_gemv", _recording(interpreted.weight_only_gemv, calls))
+    build = BuildConfig(max_batch_size=4, max_input_len=32, max_seq_len=64)
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 20)]
+    tokens = {}
+    for ops in (ReferenceOps(), GemvOps()):
+        monkeypatch.setattr(model_runner, "select_ops", lambda *args, ops=ops: ops)
+        with LLM(model, build_config=build, device="cpu", quiet=True) as llm:
+            params = SamplingConfig(max_new_tokens=6, end_id=-1)
+            tokens[ops.name, "batch"] = [o.token_ids for o in llm.generate(prompts, params)]
+            tokens[ops.name, "single"] = llm.generate(prompts[1], params).token_ids
+    assert tokens["reference", "batch"] == tokens["gemv", "batch"]
+    assert tokens["reference", "single"] == tokens["gemv", "single"]
+    assert any(isinstance(out, ResidualSum) for _, _, out in calls)
+    assert any(isinstance(args[0], DeferredNorm) and kwargs.get("silu") for args, kwargs, _ in calls)
+
+
+def _recording(fn, calls: list):
+    """fn, keeping (args, kwargs, result) of every call."""
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs, fn(*args, **kwargs)))
+        return calls[-1][2]
+    return recorded
