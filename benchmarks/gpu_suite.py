@@ -4,8 +4,9 @@
 
 Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughput (8B bf16, 128/128 and the
 long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
-quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone); --profile adds
-torch profiler tables.
+quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone), gemv_fusions
+(batch-1 decode of bf16, W8A16 and W4A16_AWQ with the decode GEMV's fusions off and on); --profile adds torch
+profiler tables.
 """
 from __future__ import annotations
 
@@ -356,10 +357,22 @@ def quant_fp8_throughput(args):
 
 def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None) -> float:
     """Batch-1 decode tok/s (median TPOT) of the 8B shape, bf16 or weight-only quantized (round to nearest)."""
+    engine = _latency_engine(algo, new_tokens)
+    tok_s = _engine_decode_tok_s(engine, algo, new_tokens, profile)
+    del engine
+    torch.cuda.empty_cache()
+    return tok_s
+
+
+def _latency_engine(algo: str | None, new_tokens: int):
     from kiln.config import QuantConfig
     build = bench.default_bench_build("latency", 128, new_tokens, 1)
-    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
-                                 quant_config=QuantConfig(quant_algo=algo) if algo else None)
+    return bench.random_engine("llama-3.1-8b", "bfloat16", build,
+                               quant_config=QuantConfig(quant_algo=algo) if algo else None)
+
+
+def _engine_decode_tok_s(engine, algo: str | None, new_tokens: int, profile: str | None = None) -> float:
+    """_decode_tok_s on an engine already built (3 prompts of 128 tokens, the first a warm-up)."""
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
         outputs = []
         for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
@@ -369,8 +382,6 @@ def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = 
         result = bench.summarize("latency", "llama-3.1-8b", algo or "bf16", outputs, 1.0, 128, new_tokens)
         if profile:
             _profile_decode(llm, profile)
-    del engine
-    torch.cuda.empty_cache()
     return round(1e3 / result.tpot_ms["p50"], 1)
 
 
@@ -385,6 +396,30 @@ def pdl(args):
             name = f"pdl_{'on' if enabled else 'off'}_{algo or 'bf16'}"
             log(f"{name}_bs1_tok_s", _decode_tok_s(algo, profile=name if args.profile and enabled else None))
     tk.PDL_ENABLED = None
+
+
+@phase
+def gemv_fusions(args):
+    """Batch-1 decode of the 8B shape: bf16, then W8A16 and W4A16_AWQ g128 (each engine built once) with the decode
+    GEMV's fusions switched on one after another (triton_kernels.GEMV_SWITCHES: none, +SiLU, +norms, ...), each
+    under a fresh LLM (the switches are read at load and capture); --profile profiles all of them on."""
+    from kiln.kernels import triton_kernels as tk
+    saved = {name: getattr(tk, name) for name in tk.GEMV_SWITCHES}
+    log("gemv_fusions_bf16_bs1_tok_s", _decode_tok_s(None))
+    try:
+        for algo in ("W8A16", "W4A16_AWQ"):
+            engine = _latency_engine(algo, 96)
+            for count in range(len(tk.GEMV_SWITCHES) + 1):
+                for i, name in enumerate(tk.GEMV_SWITCHES):
+                    setattr(tk, name, i < count)
+                label = "+".join(name[5:].lower() for name in tk.GEMV_SWITCHES[:count]) or "none"
+                profile = f"gemv_fusions_{algo}" if args.profile and count == len(tk.GEMV_SWITCHES) else None
+                log(f"gemv_fusions_{algo}_{label}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 96, profile))
+            del engine
+            torch.cuda.empty_cache()
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
 
 
 @phase
