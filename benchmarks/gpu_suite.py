@@ -401,19 +401,20 @@ def pdl(args):
 @phase
 def gemv_fusions(args):
     """Batch-1 decode of the 8B shape: bf16, then W8A16 and W4A16_AWQ g128 (each engine built once) with the decode
-    GEMV's fusions switched on one after another (triton_kernels.GEMV_SWITCHES: none, +SiLU, +norms, ...), each
-    under a fresh LLM (the switches are read at load and capture); --profile profiles all of them on."""
+    GEMV's fusions switched on one after another (triton_kernels.GEMV_SWITCHES: none, +SiLU, +norms, +fp16 scales
+    for int4), each under a fresh LLM (the switches are read at load and capture); --profile profiles all on."""
     from kiln.kernels import triton_kernels as tk
     saved = {name: getattr(tk, name) for name in tk.GEMV_SWITCHES}
     log("gemv_fusions_bf16_bs1_tok_s", _decode_tok_s(None))
     try:
         for algo in ("W8A16", "W4A16_AWQ"):
+            switches = [name for name in tk.GEMV_SWITCHES if name != "GEMV_HALF_SCALES" or algo.startswith("W4A16")]
             engine = _latency_engine(algo, 96)
-            for count in range(len(tk.GEMV_SWITCHES) + 1):
-                for i, name in enumerate(tk.GEMV_SWITCHES):
-                    setattr(tk, name, i < count)
-                label = "+".join(name[5:].lower() for name in tk.GEMV_SWITCHES[:count]) or "none"
-                profile = f"gemv_fusions_{algo}" if args.profile and count == len(tk.GEMV_SWITCHES) else None
+            for count in range(len(switches) + 1):
+                for name in tk.GEMV_SWITCHES:
+                    setattr(tk, name, name in switches[:count])
+                label = "+".join(name[5:].lower() for name in switches[:count]) or "none"
+                profile = f"gemv_fusions_{algo}" if args.profile and count == len(switches) else None
                 log(f"gemv_fusions_{algo}_{label}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 96, profile))
             del engine
             torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .folded import DeferredNorm, ResidualSum
 from .quant import Fp8Rows
+from .triton_weight_only import half_scale_pairs, has_half_scales, load_scale_zero
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -439,15 +440,18 @@ GEMV_SILU = True      # gate_up's rows paired at load; its GEMV writes SiLU(gate
 GEMV_NORMS = True     # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
                       # they load x (no add_rms_norm kernels; one rank only: kernels/folded.py); read per call, i.e.
                       # when a CUDA graph is captured
-GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS")
+GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8)
+GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES")
 
 
 @dataclass(frozen=True)
 class Interleaved:
     """The GPU's layout of a weight-only layer, made at load and never stored: columns interleaved within 16-byte
     blocks (interleave_weight); paired_rows: a gate/up projection's gate and up rows alternate (pair_gate_up_rows),
-    so that each GEMV program holds matching pairs and writes SiLU(gate)·up."""
+    so that each GEMV program holds matching pairs and writes SiLU(gate)·up; half_scales: an int4 layer's group
+    scales and zero points as fp16 pairs, one int32 per group in `weight_scale` (no `weight_zero`)."""
     paired_rows: bool = False
+    half_scales: bool = False
 
 
 INTERLEAVED = Interleaved()
@@ -500,7 +504,24 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     paired = gated and GEMV_SILU
     if paired:
         tensors = {name: pair_gate_up_rows(t) for name, t in tensors.items()}
-    return Interleaved(paired_rows=paired), tensors
+    half = GEMV_HALF_SCALES and bits == 4 and _fp16_keeps(params)
+    if half:
+        tensors["weight_scale"] = half_scale_pairs(tensors["weight_scale"], tensors["weight_zero"])
+        tensors["weight_zero"] = None
+    return Interleaved(paired_rows=paired, half_scales=half), tensors
+
+
+FP16_ZERO_LIMIT = 64.0     # below it fp16 holds a zero point to 1/64 of a level (int4 rounding itself: ±1/2)
+
+
+def _fp16_keeps(params: dict) -> bool:
+    """Whether fp16 holds an int4 layer's group scales (all within fp16's normal range: 11 significant bits) and
+    zero points (|zero| < FP16_ZERO_LIMIT); otherwise the layer keeps float32."""
+    scale, zero = params["weight_scale"], params.get("weight_zero")
+    if zero is None or scale.dim() < 2 or scale.shape[1] == 1:
+        return False                       # symmetric or per channel: nothing worth halving
+    fp16 = torch.finfo(torch.float16)
+    return bool(((scale >= fp16.tiny) & (scale <= fp16.max)).all() and (zero.abs() < FP16_ZERO_LIMIT).all())
 
 
 @triton.jit
@@ -602,7 +623,8 @@ def _store_row(out_ptr, sumsq_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.
 @triton.jit
 def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_ptr, sumsq_in_ptr, sumsq_out_ptr,
                              N, K, ROW_WORDS, GROUPS, PARTS, eps,
-                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                             HALF_SCALES: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
                              PREFETCH: tl.constexpr, SILU: tl.constexpr, NORM_X: tl.constexpr,
                              PARTS_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
@@ -610,8 +632,8 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_
     streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
     converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
-    row; EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math;
-    SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up. NORM_X: x is the residual
+    row; HALF_SCALES: int4 scale and zero point as one fp16 pair per group (triton_weight_only.load_scale_zero);
+    EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math; SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up. NORM_X: x is the residual
     stream, RMS-normalized as it is loaded (weight norm_w_ptr, 1/rms from the (ROWS, PARTS) partial sums of squares
     at sumsq_in_ptr). ADD_RESIDUAL: out is the residual, the product is added to it and each program writes its
     sum of squares to sumsq_out_ptr (ROWS, programs). (Not both: the residual would be read while written.)"""
@@ -671,10 +693,12 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_
             else:
                 at = n[:, None] * GROUPS + ((COLS * blk) // GROUP)[None, :]
             ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
-            scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
             if HAS_ZERO:
-                zero = tl.load(zero_ptr + at, mask=ok, other=None if EVEN else 0.0) / UNIT
+                scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
+                scale = UNIT * scale
+                zero = zero / UNIT
             else:
+                scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
                 zero = 8.0 / UNIT
         acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
         if ROWS > 1:
@@ -749,8 +773,8 @@ def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale
     _weight_only_gemv_kernel[(programs,)](
         rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out,
         x.weight if normed else rows, x.sum_squares if normed else sumsq_out, sumsq_out, n, k, k * bits // 32, groups,
-        parts, x.eps if normed else 0.0, BITS=bits, HAS_ZERO=zero is not None,
-        GROUP=0 if groups == 1 else int4_group_size(k, groups), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
+        parts, x.eps if normed else 0.0, BITS=bits, HAS_ZERO=zero is not None or has_half_scales(scale),
+        GROUP=0 if groups == 1 else int4_group_size(k, groups), HALF_SCALES=has_half_scales(scale), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
         PREFETCH=prefetch, SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts),
         ADD_RESIDUAL=residual is not None, num_warps=blocks // 32, **_launch())
     return out if residual is None else ResidualSum(residual, sumsq_out)
