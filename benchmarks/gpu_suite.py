@@ -4,8 +4,9 @@
 
 Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughput (8B bf16, 128/128 and the
 long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
-quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone); --profile adds
-torch profiler tables.
+quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone), decode_fusions
+(batch-1 decode of W8A16 and W4A16_AWQ with the decode GEMV's fusions off, each alone, all on), attn_sweep, timeline;
+--profile adds torch profiler tables.
 """
 from __future__ import annotations
 
@@ -364,10 +365,22 @@ def quant_fp8_throughput(args):
 def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None, lm_head: bool = False) -> float:
     """Batch-1 decode tok/s (median TPOT) of the 8B shape, bf16 or weight-only quantized (round to nearest; lm_head:
     the LM head too)."""
+    engine = _latency_engine(algo, new_tokens, lm_head)
+    tok_s = _engine_decode_tok_s(engine, algo, new_tokens, profile)
+    del engine
+    torch.cuda.empty_cache()
+    return tok_s
+
+
+def _latency_engine(algo: str | None, new_tokens: int, lm_head: bool = False):
     from kiln.config import QuantConfig
     build = bench.default_bench_build("latency", 128, new_tokens, 1)
     quant = QuantConfig(quant_algo=algo, exclude_modules=[] if lm_head else ["lm_head"]) if algo else None
-    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
+    return bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
+
+
+def _engine_decode_tok_s(engine, algo: str | None, new_tokens: int, profile: str | None = None) -> float:
+    """_decode_tok_s on an engine already built (3 prompts of 128 tokens, the first a warm-up)."""
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
         outputs = []
         for i, prompt in enumerate(bench.random_prompts(3, 128, 128000)):
@@ -377,28 +390,30 @@ def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = 
         result = bench.summarize("latency", "llama-3.1-8b", algo or "bf16", outputs, 1.0, 128, new_tokens)
         if profile:
             _profile_decode(llm, profile)
-    del engine
-    torch.cuda.empty_cache()
     return round(1e3 / result.tpot_ms["p50"], 1)
 
 
 @phase
 def decode_fusions(args):
-    """Batch-1 decode of the weight-only modes with each decode-GEMV fusion (module switches of triton_kernels,
-    read when a network is loaded) off, then on."""
+    """Batch-1 decode of the weight-only modes (each engine built once) with the decode GEMV's fusions
+    (triton_kernels.GEMV_SWITCHES, read when a network is loaded) all off, each alone, then all on."""
     from kiln.kernels import triton_kernels as tk
-    switches = [name for name in args.fusion_switches.split(",") if hasattr(tk, name)]
+    switches = tk.GEMV_SWITCHES
     saved = {name: getattr(tk, name) for name in switches}
+    variants = [("off", set()), *[(name[5:].lower(), {name}) for name in switches], ("all", set(switches))]
     log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))
-    variants = [("off", set()), *[(name, {name}) for name in switches], ("all", set(switches))]
-    for algo in ("W8A16", "W4A16_AWQ"):
-        for label, enabled in variants:
-            for name in switches:
-                setattr(tk, name, name in enabled)
-            log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _decode_tok_s(algo, new_tokens=128))
-    for name, value in saved.items():
-        setattr(tk, name, value)
-    log("decode_fusions_switches", switches)
+    try:
+        for algo in ("W8A16", "W4A16_AWQ"):
+            engine = _latency_engine(algo, 128)
+            for label, enabled in variants:
+                for name in switches:
+                    setattr(tk, name, name in enabled)
+                log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
+            del engine
+            torch.cuda.empty_cache()
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
 
 
 @phase
@@ -613,8 +628,6 @@ def main():
     p.add_argument("--max_batch", type=int, default=512)
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
-    p.add_argument("--fusion_switches", default="GEMV_SILU,GEMV_FOLDED_NORM,GEMV_FP16_SCALES",
-                   help="triton_kernels switches that decode_fusions turns on one at a time, then together")
     p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")

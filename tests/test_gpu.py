@@ -232,6 +232,13 @@ def _gpu_layout(algo: str, params: dict, gated: bool = False) -> dict:
     return {**params, **packed, "layout": layout}
 
 
+def _stood_for(params: dict, gpu: dict) -> dict:
+    """float64 parameters of the grid that a GPU layout stands for (fp16-rounded where it keeps half scales)."""
+    rounded = {name: params[name].half() for name in ("weight_scale", "weight_zero")} if gpu["layout"].half_scales \
+        else {}
+    return {k: v.double() if v.is_floating_point() else v for k, v in {**params, **rounded}.items()}
+
+
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 def test_gate_up_gemv_writes_silu(algo):
     """The 8B gate_up on paired rows: the GEMV's SiLU(gate)·up equals the unfused GEMV + silu_and_mul bit for bit
@@ -249,9 +256,67 @@ def test_gate_up_gemv_writes_silu(algo):
         unfused = tk.silu_and_mul(tk.quant_linear(x, algo, plain, None))
         if rows <= 4:
             assert torch.equal(fused, unfused), rows
-        ref = ReferenceOps.quant_linear_silu(x.double(), algo, {k: v.double() if v.is_floating_point() else v
-                                                                for k, v in params.items()})
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(params, paired))
         assert rel_err(fused, ref) < 1e-2 and rel_err(unfused, ref) < 1e-2, rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+@pytest.mark.parametrize("producer, consumer", [("o", "qkv"), ("down", "gate_up")])
+def test_gemvs_fold_the_residual_norm(algo, producer, consumer):
+    """The 8B shapes, 1-4 rows: o_proj/down_proj adding the residual (equal to the unfused GEMV + add_rms_norm's
+    sum, with per-program sums of squares), the next GEMV applying the deferred RMSNorm as it loads x (gate_up with
+    SiLU on paired rows) against the unfused GEMV on add_rms_norm's output and the float64 reference."""
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, quant
+    from kiln.kernels import triton_kernels as tk
+
+    shapes = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+    g = torch.Generator(device="cuda").manual_seed(13)
+    made, read = (_quantized(algo, torch.randn(shapes[name], generator=g, device=CUDA) * 0.05)
+                  for name in (producer, consumer))
+    gated = consumer == "gate_up"
+    made_gpu, read_gpu = _gpu_layout(algo, made), _gpu_layout(algo, read, gated)
+    norm_w = (torch.rand(4096, generator=g, device=CUDA) + 0.5).bfloat16()
+    for rows in (1, 2, 3, 4):
+        x = (torch.rand((rows, shapes[producer][1]), generator=g, device=CUDA) * 2 - 0.5).bfloat16()
+        residual = torch.randn((rows, 4096), generator=g, device=CUDA).bfloat16()
+        summed = tk.quant_linear_before_norm(x, algo, made_gpu, None, residual.clone())
+        assert isinstance(summed, ResidualSum)
+        normed, unfused_residual = tk.add_rms_norm(tk.quant_linear(x, algo, made_gpu, None), residual.clone(), norm_w,
+                                                   1e-5)
+        assert torch.equal(summed.residual, unfused_residual), rows
+        assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-5)
+        deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5)
+        product = tk.quant_linear_silu if gated else tk.quant_linear
+        fused, unfused = product(deferred, algo, read_gpu, None), product(normed, algo, read_gpu, None)
+        ref_x = reference.rms_norm(summed.residual.double(), norm_w.double(), 1e-5)
+        ref = (ReferenceOps.quant_linear_silu if gated else quant.quant_linear)(ref_x, algo, _stood_for(read, read_gpu),
+                                                                               None)
+        assert rel_err(fused, unfused) < 2e-3 and rel_err(fused, ref) < 1e-2, rows
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1536, 576)])
+def test_half_scale_pairs(n, k):
+    """W4A16_AWQ g128 on fp16 (scale, zero point) pairs: half the bytes of the float32 grid; the GEMV (1-4 rows),
+    the tiled kernel (7, 64) and dequantize + cuBLAS (1024) against the float64 product of the fp16-rounded grid,
+    and the error added to the engine grid's product small beside int4's own. 576 columns: a short last group."""
+    from kiln.kernels import quant
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn((n, k), generator=g, device=CUDA) * 0.05
+    params = _quantized("W4A16_AWQ", w)
+    half = _gpu_layout("W4A16_AWQ", params)
+    assert half["layout"].half_scales and "weight_zero" not in {k for k, v in half.items() if v is not None}
+    assert half["weight_scale"].nbytes * 2 == params["weight_scale"].nbytes + params["weight_zero"].nbytes
+    rounded = _stood_for(params, half)
+    exact = {**params, "weight_scale": params["weight_scale"].double(), "weight_zero": params["weight_zero"].double()}
+    for rows in (1, 2, 3, 4, 7, 64, 1024):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        out = tk.quant_linear(x, "W4A16_AWQ", {k: v for k, v in half.items() if v is not None}, None)
+        engine_grid = quant.quant_linear(x.double(), "W4A16_AWQ", exact, None)
+        int4 = rel_err(engine_grid, x.double() @ w.double().t())
+        assert rel_err(out, quant.quant_linear(x.double(), "W4A16_AWQ", rounded, None)) < 5e-3, rows
+        assert rel_err(out, engine_grid) < 0.1 * int4, (rows, rel_err(out, engine_grid), int4)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -303,14 +368,18 @@ def test_norm_and_silu_kernels_with_fp8_output():
         assert rel_err(tk.quant_linear(fused, "FP8_PER_CHANNEL_PER_TOKEN", params, None), plain) < 2e-2
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
-def test_quantized_model_matches_the_cpu_path(algo, monkeypatch):
+def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
     """A SmolLM2-shaped weight-only model in float32: CUDA-graph decode steps through the interleaved weights give
-    the reference's greedy tokens (ReferenceOps on the CPU: CpuOps computes int8/int4 layers in bf16). (FP8 runs
-    in bf16 only on the GPU, where per-token e4m3 rounding amplifies bf16 differences across layers; its products
-    are checked per kernel above.)"""
+    the reference's greedy tokens (ReferenceOps on the CPU: CpuOps computes int8/int4 layers in bf16), with the
+    decode GEMV's fusions (GEMV_SWITCHES) off and on. (FP8 runs in bf16 only on the GPU, where per-token e4m3
+    rounding amplifies bf16 differences across layers; its products are checked per kernel above.)"""
     from kiln.kernels import ReferenceOps, select_ops
+    from kiln.kernels import triton_kernels as tk
     from kiln.runtime import model_runner
+    for switch in tk.GEMV_SWITCHES:
+        monkeypatch.setattr(tk, switch, fused)
     monkeypatch.setattr(model_runner, "select_ops", lambda device, *args: ReferenceOps()
                         if torch.device(device).type == "cpu" else select_ops(device, *args))
     from kiln.benchmark import shape_config

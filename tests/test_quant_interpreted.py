@@ -39,7 +39,8 @@ def test_interleaved_layout_is_a_permutation_within_blocks(interpreted, algo):
     params = _params(algo, w)
     bits = 8 if algo == "W8A16" else 4
     layout, packed = interpreted.pack_quant(algo, params)
-    assert layout == interpreted.INTERLEAVED and packed["weight"].shape == params["weight"].shape
+    assert isinstance(layout, interpreted.Interleaved) and not layout.paired_rows
+    assert packed["weight"].shape == params["weight"].shape
     assert torch.equal(interpreted.interleave_weight(packed["weight"], bits, inverse=True), params["weight"])
     values = quant.unpack_int4(packed["weight"]) if bits == 4 else packed["weight"]
     word = values.reshape(6, -1, 4, 32 // bits)[0, 0]                     # block 0 of row 0: [word i][value j]
@@ -70,9 +71,9 @@ def test_interpreted_tiled_matmul_reads_both_layouts(interpreted, algo):
     g = torch.Generator().manual_seed(3)
     params = _params(algo, torch.randn(24, 128, generator=g))
     x = torch.randn(5, 128, generator=g)
-    ref = quant.quant_linear(x, algo, params, None)
     layout, packed = interpreted.pack_quant(algo, params)
     for interleaved, p in ((False, params), (True, {**params, **packed, "layout": layout})):
+        ref = quant.quant_linear(x.double(), algo, _stood_for(layout if interleaved else None, params), None)
         assert _rel(interpreted.quant_linear(x, algo, p, None), ref) < 1e-5, interleaved
 
 
@@ -115,6 +116,12 @@ def _reference_params(params: dict) -> dict:
     return {key: v.double() if v.is_floating_point() else v for key, v in params.items()}
 
 
+def _stood_for(layout, params: dict) -> dict:
+    """float64 parameters of the grid a GPU layout stands for: the engine's, fp16-rounded where it keeps half
+    scales."""
+    return _reference_params(_fp16_rounded(params) if layout is not None and layout.half_scales else params)
+
+
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 def test_gate_up_rows_are_paired_at_load(interpreted, algo, monkeypatch):
     """A gate/up projection's rows alternate gate, up in the GPU layout (scales and zero points with them); the
@@ -124,7 +131,7 @@ def test_gate_up_rows_are_paired_at_load(interpreted, algo, monkeypatch):
     layout, paired = interpreted.pack_quant(algo, params, gated=True)
     assert layout.paired_rows and not interpreted.pack_quant(algo, params)[0].paired_rows
     for name, t in paired.items():
-        assert torch.equal(interpreted.pair_gate_up_rows(t, inverse=True), plain[name]), name
+        assert t is plain[name] is None or torch.equal(interpreted.pair_gate_up_rows(t, inverse=True), plain[name])
     assert torch.equal(paired["weight"][1], plain["weight"][6]) and torch.equal(paired["weight"][2], plain["weight"][1])
     monkeypatch.setattr(interpreted, "GEMV_SILU", False)
     assert not interpreted.pack_quant(algo, params, gated=True)[0].paired_rows
@@ -145,7 +152,7 @@ def test_interpreted_gemv_writes_silu_of_paired_gate_up(interpreted, algo, inter
     bits = 8 if algo == "W8A16" else 4
     for rows in (1, 2, 3, 4, 5):
         x = torch.rand(rows, k, generator=g) * 2 - 0.5
-        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _reference_params(params))
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(layout, params))
         if rows <= 4:
             out = interpreted.weight_only_gemv(x, packed["weight"], packed["weight_scale"], packed.get("weight_zero"),
                                                bits, config, silu=True)
@@ -155,5 +162,178 @@ def test_interpreted_gemv_writes_silu_of_paired_gate_up(interpreted, algo, inter
         else:
             out = interpreted.quant_linear_silu(x, algo, gpu, None)
             plain = interpreted.quant_linear(x, algo, gpu, None)
-            assert _rel(plain, quant.quant_linear(x.double(), algo, _reference_params(params), None)) < 1e-5
+            assert _rel(plain, quant.quant_linear(x.double(), algo, _stood_for(layout, params), None)) < 1e-5
         assert out.shape == (rows, inter) and _rel(out, ref) < 1e-5, (rows, _rel(out, ref))
+
+
+def _gemv(interpreted, x, algo, packed, config=None, **fusions):
+    return interpreted.weight_only_gemv(x, packed["weight"], packed["weight_scale"], packed.get("weight_zero"),
+                                        8 if algo == "W8A16" else 4, config, **fusions)
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+@pytest.mark.parametrize("n, k, config", [(20, 576, (8, 32, False)), (576, 1536, (32, 64, True))])
+def test_interpreted_gemv_adds_the_residual_and_sums_its_squares(interpreted, algo, n, k, config):
+    """o_proj/down_proj folded: the product added to the residual in place, rounded as add_rms_norm's sum, and one
+    sum of squares per program and row (20 rows: a partial program's missing rows count nothing; wide programs
+    on 576 rows keep the interpreter quick)."""
+    g = torch.Generator().manual_seed(n + k + 1)
+    params = _params(algo, torch.randn(n, k, generator=g), group=128)
+    packed = interpreted.pack_quant(algo, params)[1]
+    for rows in (1, 2, 3, 4):
+        x, residual = torch.rand(rows, k, generator=g) - 0.3, torch.randn(rows, n, generator=g)
+        product = _gemv(interpreted, x, algo, packed, config)
+        summed = _gemv(interpreted, x, algo, packed, config, residual=residual.clone())
+        assert torch.equal(summed.residual, product + residual)
+        block_n = (config or interpreted.gemv_config(n, k, rows, 8 if algo == "W8A16" else 4))[0]
+        assert summed.sum_squares.shape == (rows, -(-n // block_n))
+        assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_GPTQ", "W4A16_AWQ"])
+def test_interpreted_gemvs_fold_the_residual_norm(interpreted, algo):
+    """SmolLM2's widths: down_proj (576 × 1536) adds its product to the residual, the RMSNorm is deferred, and the
+    next qkv-like GEMV (40 × 576, a short last group) and the paired gate_up GEMV (2·12 × 576, SiLU) normalize x
+    as they load it: against the float64 reference (add, rms_norm, product) at 1-4 rows."""
+    from kiln.kernels import DeferredNorm, ReferenceOps, reference
+
+    g = torch.Generator().manual_seed(6)
+    down, qkv, gate_up = (_params(algo, torch.randn(n, k, generator=g), group=128)
+                          for n, k in ((576, 1536), (40, 576), (24, 576)))
+    (down_layout, packed_down), (qkv_layout, packed_qkv) = (interpreted.pack_quant(algo, p) for p in (down, qkv))
+    gate_up_layout, packed_gate_up = interpreted.pack_quant(algo, gate_up, gated=True)
+    norm_w, eps = torch.rand(576, generator=g) + 0.5, 1e-5
+    for rows in (1, 2, 3, 4):
+        act, residual = torch.rand(rows, 1536, generator=g) - 0.3, torch.randn(rows, 576, generator=g)
+        summed = _gemv(interpreted, act, algo, packed_down, (32, 64, True), residual=residual.clone())
+        deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, eps)
+        ref_x, _ = reference.add_rms_norm(quant.quant_linear(act.double(), algo, _stood_for(down_layout, down), None),
+                                          residual.double(), norm_w.double(), eps)
+        ref_qkv = quant.quant_linear(ref_x, algo, _stood_for(qkv_layout, qkv), None)
+        ref_act = ReferenceOps.quant_linear_silu(ref_x, algo, _stood_for(gate_up_layout, gate_up))
+        assert _rel(_gemv(interpreted, deferred, algo, packed_qkv), ref_qkv) < 1e-5, rows
+        assert _rel(_gemv(interpreted, deferred, algo, packed_gate_up, silu=True), ref_act) < 1e-5, rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_interpreted_folded_norm_rounds_as_the_unfused_kernels(interpreted, algo):
+    """In float16 (the interpreter's bfloat16 is not faithful): the folded chain (o_proj adding the residual, the
+    next GEMV normalizing x) against the unfused kernels (GEMV, add_rms_norm, GEMV). The residual sums are equal;
+    the outputs too, but for 1/rms's float32 sum taken in another order (an ulp can move one rounding of x)."""
+    from kiln.kernels import DeferredNorm
+
+    g = torch.Generator().manual_seed(7)
+    o, qkv = (_params(algo, torch.randn(n, k, generator=g) * 0.1, group=128) for n, k in ((576, 256), (40, 576)))
+    packed_o, packed_qkv = interpreted.pack_quant(algo, o)[1], interpreted.pack_quant(algo, qkv)[1]
+    norm_w = (torch.rand(576, generator=g) + 0.5).half()
+    for rows in (1, 4):
+        x, residual = (torch.rand(rows, 256, generator=g) - 0.3).half(), torch.randn(rows, 576, generator=g).half()
+        normed, unfused_residual = interpreted.add_rms_norm(_gemv(interpreted, x, algo, packed_o, (32, 64, True)),
+                                                            residual.clone(), norm_w, 1e-5)
+        summed = _gemv(interpreted, x, algo, packed_o, (32, 64, True), residual=residual.clone())
+        assert torch.equal(summed.residual, unfused_residual)
+        fused = _gemv(interpreted, DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5), algo, packed_qkv)
+        assert _rel(fused, _gemv(interpreted, normed, algo, packed_qkv)) < 1e-3, rows
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_interpreted_fused_decode_gives_the_reference_tokens(interpreted, tiny_models, algo, monkeypatch):
+    """A tiny quantized Llama on the CPU with its weight-only layers on the GPU's layout and kernels (interpreted):
+    decode steps of 1 and 3 rows run the fused GEMVs (SiLU, residual add, deferred RMSNorm), prompts the tiled
+    kernel; the greedy tokens equal ReferenceOps'. The recorded GEMV calls show the fused path was taken (programs
+    of 16 rows keep the interpreter quick)."""
+    from kiln import LLM, BuildConfig, SamplingConfig
+    from kiln.config import QuantConfig
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+    from kiln.runtime import model_runner
+
+    class GemvOps(ReferenceOps):
+        name = "gemv"
+        pack_quant = staticmethod(interpreted.pack_quant)
+        quant_linear = staticmethod(interpreted.quant_linear)
+        quant_linear_silu = staticmethod(interpreted.quant_linear_silu)
+        quant_linear_before_norm = staticmethod(interpreted.quant_linear_before_norm)
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    model = quantize_model(model, QuantConfig(quant_algo=algo, group_size=32), calib_size=2, quiet=True,
+                           round_to_nearest=True)
+    monkeypatch.setattr(interpreted, "gemv_config", lambda n, k, rows, bits: (16, 32, True))
+    calls = []
+    monkeypatch.setattr(interpreted, "weight_only_gemv", _recording(interpreted.weight_only_gemv, calls))
+    build = BuildConfig(max_batch_size=4, max_input_len=32, max_seq_len=64)
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 20)]
+    tokens = {}
+    for ops in (ReferenceOps(), GemvOps()):
+        monkeypatch.setattr(model_runner, "select_ops", lambda *args, ops=ops: ops)
+        with LLM(model, build_config=build, device="cpu", quiet=True) as llm:
+            params = SamplingConfig(max_new_tokens=6, end_id=-1)
+            tokens[ops.name, "batch"] = [o.token_ids for o in llm.generate(prompts, params)]
+            tokens[ops.name, "single"] = llm.generate(prompts[1], params).token_ids
+    assert tokens["reference", "batch"] == tokens["gemv", "batch"]
+    assert tokens["reference", "single"] == tokens["gemv", "single"]
+    assert any(isinstance(out, ResidualSum) for _, _, out in calls)
+    assert any(isinstance(args[0], DeferredNorm) and kwargs.get("silu") for args, kwargs, _ in calls)
+
+
+def _recording(fn, calls: list):
+    """fn, keeping (args, kwargs, result) of every call."""
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs, fn(*args, **kwargs)))
+        return calls[-1][2]
+    return recorded
+
+
+def _fp16_rounded(params: dict) -> dict:
+    """The layer as its fp16 scale/zero pairs stand for it."""
+    return {**params, "weight_scale": params["weight_scale"].half().float(),
+            "weight_zero": params["weight_zero"].half().float()}
+
+
+@pytest.mark.parametrize("k", [256, 576])
+def test_interpreted_half_scales(interpreted, k):
+    """int4 g128 with zero points in the GPU layout keeps scales and zero points as fp16 pairs (one int32 per
+    group): the GEMV (1-4 rows), the tiled kernel (5 rows) and the dequantize kernel compute the product of the
+    fp16-rounded grid to float32 accuracy. fp16's rounding, against the float64 product of the engine's float32
+    grid, adds 3e-3 for these inputs (mean 0.5: the zero points' rounding, up to 2^-9 of a level for zero points
+    of 8-16, is summed coherently over x; 6e-4 for zero-mean x), against int4's own 9% from the float weight: under
+    5% of it, ~0.05% once added in quadrature. 576: a short last group."""
+    from kiln.kernels import triton_weight_only
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(40, k, generator=g) * 0.02
+    params = _params("W4A16_AWQ", w, group=128)
+    layout, packed = interpreted.pack_quant("W4A16_AWQ", params)
+    assert layout.half_scales and packed["weight_scale"].dtype == torch.int32 and packed["weight_zero"] is None
+    assert packed["weight_scale"].shape == params["weight_scale"].shape
+    gpu = {**params, **packed, "layout": layout}
+    del gpu["weight_zero"]
+    exact, rounded = _reference_params(params), _reference_params(_fp16_rounded(params))
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.rand(rows, k, generator=g) * 2 - 0.5
+        out = interpreted.quant_linear(x, "W4A16_AWQ", gpu, None)
+        assert _rel(out, quant.quant_linear(x.double(), "W4A16_AWQ", rounded, None)) < 1e-5, rows
+        engine_grid = quant.quant_linear(x.double(), "W4A16_AWQ", exact, None)
+        added, int4 = _rel(out, engine_grid), _rel(engine_grid, x.double() @ w.double().t())
+        assert added < 0.05 * int4, (rows, added, int4)
+    dequantized = triton_weight_only.dequantize(packed["weight"], packed["weight_scale"], None, 4, k, True,
+                                                torch.float32)
+    assert _rel(dequantized, quant.dequantize_weight("W4A16_AWQ", rounded)) < 1e-6
+    assert _rel(quant.dequantize_weight("W4A16_AWQ", rounded), quant.dequantize_weight("W4A16_AWQ", exact)) < 1e-3
+
+
+def test_half_scales_only_where_fp16_holds_them(interpreted, monkeypatch):
+    """Scales below fp16's normal range, zero points from FP16_ZERO_LIMIT, symmetric or per-channel int4, int8
+    and the switch off keep float32."""
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(9))
+    params = _params("W4A16_AWQ", w, group=128)
+    assert interpreted.pack_quant("W4A16_AWQ", params)[0].half_scales
+    tiny = {**params, "weight_scale": params["weight_scale"] * 1e-4}
+    shifted = {**params, "weight_zero": params["weight_zero"] + interpreted.FP16_ZERO_LIMIT}
+    for algo, p in (("W4A16_AWQ", tiny), ("W4A16_AWQ", shifted), ("W4A16_GPTQ", _params("W4A16_GPTQ", w, 128)),
+                    ("W4A16", _params("W4A16", w)), ("W8A16", _params("W8A16", w))):
+        layout, packed = interpreted.pack_quant(algo, p)
+        assert not layout.half_scales and packed["weight_scale"].dtype == torch.float32, algo
+    monkeypatch.setattr(interpreted, "GEMV_HALF_SCALES", False)
+    assert not interpreted.pack_quant("W4A16_AWQ", params)[0].half_scales

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from . import quant, reference
+from .folded import DeferredNorm, ResidualSum
 from .metadata import AttentionMetadata
 from .rotary import rope_cos_sin, rope_inv_freq
 
@@ -31,6 +32,13 @@ class ReferenceOps:
     def quant_linear_silu(cls, x, algo: str, params: dict, bias=None):
         """SiLU(gate)·up of a quantized gate/up projection of x."""
         return cls.silu_and_mul(cls.quant_linear(x, algo, params, bias))
+
+    @classmethod
+    def quant_linear_before_norm(cls, x, algo: str, params: dict, bias, residual):
+        """A quantized layer whose output is added to `residual` and RMS-normalized next: the product, or where a
+        kernel folds the add in, a folded.ResidualSum (TritonOps' decode GEMV). The reference returns the product
+        (the RMSNorm adds)."""
+        return cls.quant_linear(x, algo, params, bias)
 
     # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
     @staticmethod
@@ -97,6 +105,9 @@ class TritonOps(ReferenceOps):
     def quant_linear_silu(self, x, algo, params, bias=None):
         return self._k.quant_linear_silu(x, algo, params, bias, self.fp8_fast_accumulation)
 
+    def quant_linear_before_norm(self, x, algo, params, bias, residual):
+        return self._k.quant_linear_before_norm(x, algo, params, bias, residual, self.fp8_fast_accumulation)
+
     def pack_quant(self, algo: str, params: dict, gated: bool = False):
         return self._k.pack_quant(algo, params, gated)
 
@@ -122,5 +133,5 @@ def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_a
         return ReferenceOps()
 
 
-__all__ = ["AttentionMetadata", "ReferenceOps", "TritonOps", "reference", "rope_cos_sin", "rope_inv_freq",
+__all__ = ["AttentionMetadata", "DeferredNorm", "ReferenceOps", "ResidualSum", "TritonOps", "reference", "rope_cos_sin", "rope_inv_freq",
            "select_ops"]

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .folded import DeferredNorm, ResidualSum
 from .quant import Fp8Rows
+from .triton_weight_only import half_scale_pairs, has_half_scales, load_scale_zero
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -466,14 +468,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 # Fusions of the decode GEMV, each a switch read when a network is loaded (benchmarks/gpu_suite.py's gemv_fusions
 # phase flips them between loads to measure each off and on; docs/quantization.md):
 GEMV_SILU = True      # gate_up's rows paired at load; its GEMV writes SiLU(gate)·up (no silu_and_mul kernel)
+GEMV_NORMS = True     # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
+                      # they load x (no add_rms_norm kernels; one rank only: kernels/folded.py); read per call, i.e.
+                      # when a CUDA graph is captured
+GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8)
+GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES")
 
 
 @dataclass(frozen=True)
 class Interleaved:
     """The GPU's layout of a weight-only layer, made at load and never stored: columns interleaved within 16-byte
     blocks (interleave_weight); paired_rows: a gate/up projection's gate and up rows alternate (pair_gate_up_rows),
-    so that each GEMV program holds matching pairs and writes SiLU(gate)·up."""
+    so that each GEMV program holds matching pairs and writes SiLU(gate)·up; half_scales: an int4 layer's group
+    scales and zero points as fp16 pairs, one int32 per group in `weight_scale` (no `weight_zero`)."""
     paired_rows: bool = False
+    half_scales: bool = False
 
 
 INTERLEAVED = Interleaved()
@@ -526,7 +535,24 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     paired = gated and GEMV_SILU
     if paired:
         tensors = {name: pair_gate_up_rows(t) for name, t in tensors.items()}
-    return Interleaved(paired_rows=paired), tensors
+    half = GEMV_HALF_SCALES and bits == 4 and _fp16_keeps(params)
+    if half:
+        tensors["weight_scale"] = half_scale_pairs(tensors["weight_scale"], tensors["weight_zero"])
+        tensors["weight_zero"] = None
+    return Interleaved(paired_rows=paired, half_scales=half), tensors
+
+
+FP16_ZERO_LIMIT = 64.0     # below it fp16 holds a zero point to 1/64 of a level (int4 rounding itself: ±1/2)
+
+
+def _fp16_keeps(params: dict) -> bool:
+    """Whether fp16 holds an int4 layer's group scales (all within fp16's normal range: 11 significant bits) and
+    zero points (|zero| < FP16_ZERO_LIMIT); otherwise the layer keeps float32."""
+    scale, zero = params["weight_scale"], params.get("weight_zero")
+    if zero is None or scale.dim() < 2 or scale.shape[1] == 1:
+        return False                       # symmetric or per channel: nothing worth halving
+    fp16 = torch.finfo(torch.float16)
+    return bool(((scale >= fp16.tiny) & (scale <= fp16.max)).all() and (zero.abs() < FP16_ZERO_LIMIT).all())
 
 
 @triton.jit
@@ -556,11 +582,35 @@ def _unpack(words, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _row_products(f, x_factor, x_ptr, cols, ok, p, x_sum):
+def _row_products(f, x_factor, x_ptr, cols, ok, norm_w, inv, p, x_sum, NORM_X: tl.constexpr):
     """One value of every word times x's matching columns into p (Σ v·x·2^-64); x summed for the zero point.
-    cols is (1, W) like a row of the words, so that x arrives in their register layout, loaded once for all rows."""
-    x = tl.load(x_ptr + cols, mask=ok, other=None if ok is None else 0.0).to(tl.float32)
+    cols is (1, W) like a row of the words, so that x arrives in their register layout, loaded once for all rows.
+    NORM_X: x is the residual stream, RMS-normalized here as reference.rms_norm rounds it (1/rms `inv`)."""
+    x = tl.load(x_ptr + cols, mask=ok, other=None if ok is None else 0.0)
+    if NORM_X:
+        x = norm_w * (x.to(tl.float32) * inv).to(x.dtype)
+    x = x.to(tl.float32)
     return p + f * (x * x_factor), x_sum + x
+
+
+@triton.jit
+def _norm_weight(norm_w_ptr, cols, ok, NORM_X: tl.constexpr):
+    """The RMSNorm weight of x's columns (NORM_X), loaded once for all rows."""
+    weight = 1.0
+    if NORM_X:
+        weight = tl.load(norm_w_ptr + cols, mask=ok, other=None if ok is None else 0.0)
+    return weight
+
+
+@triton.jit
+def _inv_rms(sumsq_ptr, parts, K, eps, PARTS_PAD: tl.constexpr, NORM_X: tl.constexpr):
+    """1/rms of a row of K columns from the `parts` partial sums of squares its producer wrote (in a fixed order:
+    the same result on every run)."""
+    inv = 1.0
+    if NORM_X:
+        at = tl.arange(0, PARTS_PAD)
+        inv = tl.rsqrt(tl.sum(tl.load(sumsq_ptr + at, mask=at < parts, other=0.0), axis=0) / K + eps)
+    return inv
 
 
 @triton.jit
@@ -581,29 +631,43 @@ def _load_words(w_rows, kw, n_ok, ROW_WORDS, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _store_row(out_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
-    """Row `row` of the products with the program's weight rows n, in out's dtype; SILU (the rows alternate gate,
-    up): SiLU(gate)·up of each pair into out's N/2 columns, rounded as the GEMV's output and silu_and_mul are."""
+def _store_row(out_ptr, sumsq_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
+               ADD_RESIDUAL: tl.constexpr):
+    """Row `row` of the products with the program's weight rows n, in out's dtype. SILU (the rows alternate gate,
+    up): SiLU(gate)·up of each pair into out's N/2 columns, rounded as the GEMV's output and silu_and_mul are.
+    ADD_RESIDUAL: out holds the residual; the product is added to it in place (rounded as add_rms_norm's sum) and
+    the sum of squares of the program's columns goes to the program's slot of sumsq_ptr's row."""
     y = (tl.sum(acc, axis=1) * row_scale).to(out_ptr.dtype.element_ty)
     if SILU:
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + row * (N // 2) + c, _silu_mul(gate, up), mask=c < N // 2)
+    elif ADD_RESIDUAL:
+        h = y + tl.load(out_ptr + row * N + n, mask=n_ok, other=0.0)
+        tl.store(out_ptr + row * N + n, h, mask=n_ok)
+        hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+        tl.store(sumsq_ptr + row * tl.num_programs(0) + tl.program_id(0), tl.sum(hf * hf, axis=0))
     else:
         tl.store(out_ptr + row * N + n, y, mask=n_ok)
 
 
 @triton.jit
-def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_WORDS, GROUPS,
-                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_ptr, sumsq_in_ptr, sumsq_out_ptr,
+                             N, K, ROW_WORDS, GROUPS, PARTS, eps,
+                             BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                             HALF_SCALES: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
-                             PREFETCH: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                             PREFETCH: tl.constexpr, SILU: tl.constexpr, NORM_X: tl.constexpr,
+                             PARTS_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out (ROWS ≤ 4, N) = x @ dequant(w)^T on interleaved words (w viewed as int32, ROW_WORDS per row). Each program
     streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
     converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
-    row; EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math;
-    SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up."""
+    row; HALF_SCALES: int4 scale and zero point as one fp16 pair per group (triton_weight_only.load_scale_zero);
+    EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math; SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up. NORM_X: x is the residual
+    stream, RMS-normalized as it is loaded (weight norm_w_ptr, 1/rms from the (ROWS, PARTS) partial sums of squares
+    at sumsq_in_ptr). ADD_RESIDUAL: out is the residual, the product is added to it and each program writes its
+    sum of squares to sumsq_out_ptr (ROWS, programs). (Not both: the residual would be read while written.)"""
     VALS: tl.constexpr = 32 // BITS
     COLS: tl.constexpr = 4 * VALS
     W: tl.constexpr = 4 * BLOCKS
@@ -619,6 +683,10 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
     kw0 = tl.arange(0, W)
     words = _load_words(w_rows, kw0, n_ok, ROW_WORDS, EVEN)      # in flight while the kernel before finishes
     _wait_for_inputs(PDL)
+    inv0 = _inv_rms(sumsq_in_ptr, PARTS, K, eps, PARTS_PAD, NORM_X)
+    inv1 = _inv_rms(sumsq_in_ptr + PARTS, PARTS, K, eps, PARTS_PAD, NORM_X and ROWS > 1)
+    inv2 = _inv_rms(sumsq_in_ptr + 2 * PARTS, PARTS, K, eps, PARTS_PAD, NORM_X and ROWS > 2)
+    inv3 = _inv_rms(sumsq_in_ptr + 3 * PARTS, PARTS, K, eps, PARTS_PAD, NORM_X and ROWS > 3)
     for b0 in range(0, num_blocks, BLOCKS):
         kw = 4 * b0 + kw0
         if PREFETCH:                                             # the next blocks' loads fly during this math
@@ -638,13 +706,14 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
         for j in tl.static_range(VALS):
             f, x_factor = _unpack(words, j, BITS)
             at = cols + 4 * j
-            p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, p0, x0)
+            norm_w = _norm_weight(norm_w_ptr, at, x_ok, NORM_X)
+            p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, norm_w, inv0, p0, x0, NORM_X)
             if ROWS > 1:
-                p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, p1, x1)
+                p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, norm_w, inv1, p1, x1, NORM_X)
             if ROWS > 2:
-                p2, x2 = _row_products(f, x_factor, x_ptr + 2 * K, at, x_ok, p2, x2)
+                p2, x2 = _row_products(f, x_factor, x_ptr + 2 * K, at, x_ok, norm_w, inv2, p2, x2, NORM_X)
             if ROWS > 3:
-                p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, p3, x3)
+                p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, norm_w, inv3, p3, x3, NORM_X)
         if BITS == 8:                                            # the row's scale comes at the end
             scale = 1.0
             zero = 128.0 / UNIT
@@ -655,10 +724,12 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
             else:
                 at = n[:, None] * GROUPS + ((COLS * blk) // GROUP)[None, :]
             ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
-            scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
             if HAS_ZERO:
-                zero = tl.load(zero_ptr + at, mask=ok, other=None if EVEN else 0.0) / UNIT
+                scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
+                scale = UNIT * scale
+                zero = zero / UNIT
             else:
+                scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
                 zero = 8.0 / UNIT
         acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
         if ROWS > 1:
@@ -675,13 +746,13 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
         row_scale = UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     else:
         row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    _store_row(out_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU)
+    _store_row(out_ptr, sumsq_out_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
     if ROWS > 1:
-        _store_row(out_ptr, acc1, 1, n, n_ok, row_scale, N, BLOCK_N, SILU)
+        _store_row(out_ptr, sumsq_out_ptr, acc1, 1, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
     if ROWS > 2:
-        _store_row(out_ptr, acc2, 2, n, n_ok, row_scale, N, BLOCK_N, SILU)
+        _store_row(out_ptr, sumsq_out_ptr, acc2, 2, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
     if ROWS > 3:
-        _store_row(out_ptr, acc3, 3, n, n_ok, row_scale, N, BLOCK_N, SILU)
+        _store_row(out_ptr, sumsq_out_ptr, acc3, 3, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
 
 
 GEMV_MAX_ROWS = 4
@@ -705,26 +776,39 @@ def gemv_config(n: int, k: int, rows: int, bits: int) -> tuple[int, int, bool]:
     return GEMV_MEASURED.get((n, k, bits), (8 if n >= 6144 else 4, blocks, True))
 
 
-def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                     bits: int, config: tuple[int, int, bool] | None = None, silu: bool = False) -> torch.Tensor:
+def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale: torch.Tensor,
+                     zero: torch.Tensor | None, bits: int, config: tuple[int, int, bool] | None = None,
+                     silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """x (at most GEMV_MAX_ROWS rows: decoding) @ dequant(w)^T for interleaved weights (interleave_weight),
-    reading each weight byte once; silu: the rows alternate gate, up (pair_gate_up_rows) and the result is
-    SiLU(gate)·up, (rows, N/2)."""
+    reading each weight byte once. x may be a DeferredNorm (normalized as it is loaded). silu: the rows alternate
+    gate, up (pair_gate_up_rows) and the result is SiLU(gate)·up, (rows, N/2). residual: the product is added to
+    it in place and returned as a ResidualSum with the sums of squares of its programs."""
     from .quant import int4_group_size
 
-    m, k = x.shape
+    normed = isinstance(x, DeferredNorm)
+    if normed and residual is not None:
+        raise ValueError("a GEMV cannot both normalize the residual stream and add to it")
+    rows = (x.residual if normed else x).contiguous()
+    m, k = rows.shape
     n = weight.shape[0]
     scale2d = scale.reshape(n, -1)
     groups = scale2d.shape[1]
     block_n, blocks, prefetch = config or gemv_config(n, k, m, bits)
+    programs = triton.cdiv(n, block_n)
     even = n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0
-    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
-    _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, n, k,
-        k * bits // 32, groups, BITS=bits, HAS_ZERO=zero is not None,
-        GROUP=0 if groups == 1 else int4_group_size(k, groups), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
-        PREFETCH=prefetch, SILU=silu, num_warps=blocks // 32, **_launch())
-    return out
+    if residual is None:
+        out = sumsq_out = torch.empty((m, n // 2 if silu else n), dtype=rows.dtype, device=rows.device)
+    else:
+        out, sumsq_out = residual, torch.empty((m, programs), dtype=torch.float32, device=rows.device)
+    parts = x.sum_squares.shape[1] if normed else 1
+    _weight_only_gemv_kernel[(programs,)](
+        rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out,
+        x.weight if normed else rows, x.sum_squares if normed else sumsq_out, sumsq_out, n, k, k * bits // 32, groups,
+        parts, x.eps if normed else 0.0, BITS=bits, HAS_ZERO=zero is not None or has_half_scales(scale),
+        GROUP=0 if groups == 1 else int4_group_size(k, groups), HALF_SCALES=has_half_scales(scale), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
+        PREFETCH=prefetch, SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts),
+        ADD_RESIDUAL=residual is not None, num_warps=blocks // 32, **_launch())
+    return out if residual is None else ResidualSum(residual, sumsq_out)
 
 
 # --- FP8 activations -------------------------------------------------------------------------------------------
@@ -769,6 +853,8 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     those kernels' minimums)."""
     from . import quant
 
+    if not _gemv_takes(x, algo, params):
+        x = _applied(x)
     if _weight_only(algo):
         out = _weight_only_product(x, algo, params)
         if _paired(params):                              # back to [gate | up]
@@ -797,7 +883,7 @@ def _weight_only_product(x: torch.Tensor, algo: str, params: dict) -> torch.Tens
 
     bits = 8 if algo == "W8A16" else 4
     interleaved = isinstance(params.get("layout"), Interleaved)
-    if interleaved and x.shape[0] <= GEMV_MAX_ROWS:
+    if _gemv_takes(x, algo, params):
         return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
     return triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
                                                  params.get("weight_zero"), bits, interleaved)
@@ -809,7 +895,29 @@ def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tens
     itself (≤ 4 rows) or by silu_and_mul reading the pairs; otherwise quant_linear, then silu_and_mul."""
     if not _paired(params):
         return silu_and_mul(quant_linear(x, algo, params, bias, fp8_fast_accumulation))
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    if _gemv_takes(x, algo, params):
         return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
                                 8 if algo == "W8A16" else 4, silu=True)
-    return silu_and_mul(_weight_only_product(x, algo, params), paired=True)
+    return silu_and_mul(_weight_only_product(_applied(x), algo, params), paired=True)
+
+
+def quant_linear_before_norm(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
+                             residual: torch.Tensor, fp8_fast_accumulation: bool = True) -> torch.Tensor | ResidualSum:
+    """quant_linear of a layer whose output is added to `residual` and RMS-normalized next (one rank: no all-reduce
+    between): on the decode GEMV (GEMV_NORMS) the add is folded in and a ResidualSum comes back; otherwise the
+    product alone, for add_rms_norm."""
+    if (GEMV_NORMS and bias is None and isinstance(x, torch.Tensor) and _gemv_takes(x, algo, params)
+            and not _paired(params) and residual.dtype == x.dtype and residual.is_contiguous()):
+        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
+                                8 if algo == "W8A16" else 4, residual=residual)
+    return quant_linear(x, algo, params, bias, fp8_fast_accumulation)
+
+
+def _gemv_takes(x, algo: str, params: dict) -> bool:
+    """Whether the decode GEMV computes this product: a weight-only layer in the interleaved layout, ≤ 4 rows."""
+    return _weight_only(algo) and isinstance(params.get("layout"), Interleaved) and x.shape[0] <= GEMV_MAX_ROWS
+
+
+def _applied(x):
+    """x with a DeferredNorm applied by the standalone RMSNorm kernel (for products that cannot fold it in)."""
+    return rms_norm(x.residual, x.weight, x.eps) if isinstance(x, DeferredNorm) else x

@@ -75,6 +75,35 @@ def _as_float(v, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _fp16_half(pairs, SHIFT: tl.constexpr):
+    """The fp16 value in bits SHIFT..SHIFT+15 of int32 words, as float32."""
+    return ((pairs >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def load_scale_zero(scale_ptr, zero_ptr, at, mask, HALF_SCALES: tl.constexpr):
+    """Scales and zero points `at` (per row and group) as float32: from their own float32 tensors, or (HALF_SCALES)
+    from one int32 per group holding both as fp16, the scale in the low half (half_scale_pairs)."""
+    if HALF_SCALES:
+        pairs = tl.load(scale_ptr + at, mask=mask, other=None if mask is None else 0)
+        scale = _fp16_half(pairs, 0)
+        zero = _fp16_half(pairs, 16)
+    else:
+        scale = tl.load(scale_ptr + at, mask=mask, other=None if mask is None else 0.0)
+        zero = tl.load(zero_ptr + at, mask=mask, other=None if mask is None else 0.0)
+    return scale, zero
+
+
+def half_scale_pairs(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 scales and zero points (N, G) → one int32 per group: fp16 scale in the low half, fp16 zero above."""
+    return torch.stack([scale.half(), zero.half()], dim=-1).view(torch.int32).squeeze(-1)
+
+
+def has_half_scales(scale: torch.Tensor) -> bool:
+    return scale.dtype == torch.int32
+
+
+@triton.jit
 def _load_x(x_ptr, rm, cols, K, EVEN_K: tl.constexpr):
     """x's columns `cols` (BLOCK_K,) of rows rm, transposed: (BLOCK_K, BLOCK_M)."""
     ptrs = x_ptr + rm[None, :].to(tl.int64) * K + cols[:, None]
@@ -134,14 +163,14 @@ def _tile_product(x_ptr, w_rows, rm, k0, K, ROW_UNITS, BITS: tl.constexpr, VALS:
 @triton.jit(do_not_specialize=["M", "TILES_PER_SPLIT"])
 def _weight_only_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, ROW_UNITS, GROUPS, TILES_PER_SPLIT,
                             BITS: tl.constexpr, UNIT_BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                            INTERLEAVED: tl.constexpr, UNPACK: tl.constexpr, EVEN_K: tl.constexpr,
-                            PRECISION: tl.constexpr,
+                            HALF_SCALES: tl.constexpr, INTERLEAVED: tl.constexpr, UNPACK: tl.constexpr,
+                            EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """out (M, N) = x (M, K) @ dequant(w)^T on tensor cores, computed transposed: the weight tile (BLOCK_N rows) is
     the dot's left operand, so that few rows of x need only a narrow right one. GROUP 0: one scale (and zero) per
     row, applied once at the end; otherwise BLOCK_K divides GROUP and each step applies its group's. With a third
     grid dimension (split K) program (n, m, s) sums its share of K's steps into out[s], a float32 (splits, M, N)
-    buffer."""
+    buffer. HALF_SCALES: scale and zero point come as fp16 pairs (load_scale_zero)."""
     VALS: tl.constexpr = UNIT_BITS // BITS
     if BITS == 8:
         OFFSET: tl.constexpr = 128.0
@@ -168,14 +197,19 @@ def _weight_only_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
                 x_total += x_sum
         else:
             at = rn_safe * GROUPS + k0 // GROUP
-            scale = tl.load(scale_ptr + at)[:, None]
             if HAS_ZERO:
-                part -= tl.load(zero_ptr + at)[:, None] * x_sum[None, :]
-            acc += scale * part
+                scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, None, HALF_SCALES)
+                part -= zero[:, None] * x_sum[None, :]
+            else:
+                scale = tl.load(scale_ptr + at)
+            acc += scale[:, None] * part
     if GROUP == 0:
         if HAS_ZERO:
-            acc -= tl.load(zero_ptr + rn_safe)[:, None] * x_total[None, :]
-        acc *= tl.load(scale_ptr + rn_safe)[:, None]
+            scale, zero = load_scale_zero(scale_ptr, zero_ptr, rn_safe, None, HALF_SCALES)
+            acc -= zero[:, None] * x_total[None, :]
+        else:
+            scale = tl.load(scale_ptr + rn_safe)
+        acc *= scale[:, None]
     out = out_ptr + tl.program_id(2).to(tl.int64) * M * N + rm[None, :].to(tl.int64) * N + rn[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
@@ -194,7 +228,8 @@ def _sum_splits_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
 @triton.jit
 def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_UNITS, GROUPS,
                        BITS: tl.constexpr, UNIT_BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                       INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HALF_SCALES: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """out (N, K) in out's dtype = (level - zero)·scale, rounded once from float32 like quant.dequantize_weight's
     matrix cast to x's dtype. Each column reads the unit that holds it (a unit's other columns hit the cache)."""
     VALS: tl.constexpr = UNIT_BITS // BITS
@@ -220,8 +255,10 @@ def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, ROW_UNITS, GRO
     else:
         at = rows * GROUPS + (rk // GROUP)[None, :]
     if HAS_ZERO:
-        q -= tl.load(zero_ptr + at, mask=ok, other=0.0)
-    w = q * tl.load(scale_ptr + at, mask=ok, other=0.0)
+        scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
+        w = (q - zero) * scale
+    else:
+        w = q * tl.load(scale_ptr + at, mask=ok, other=0.0)
     tl.store(out_ptr + rows * K + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -315,7 +352,8 @@ def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     _weight_only_mma_kernel[grid_nm + (split,)](
         x.contiguous(), units, scale2d, scale2d if zero is None else zero.reshape(n, -1), target, m, n, k,
         units.shape[1], scale2d.shape[1], per_split, BITS=bits, UNIT_BITS=units.element_size() * 8,
-        HAS_ZERO=zero is not None, GROUP=group, INTERLEAVED=interleaved,
+        HAS_ZERO=zero is not None or has_half_scales(scale), GROUP=group, HALF_SCALES=has_half_scales(scale),
+        INTERLEAVED=interleaved,
         UNPACK=_unpacking(config, block_k, units.element_size() * 8, bits),
         EVEN_K=k % block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=block_k,
@@ -334,8 +372,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 128))](
         units, scale2d, scale2d if zero is None else zero.reshape(n, -1), out, n, k, units.shape[1],
-        scale2d.shape[1], BITS=bits, UNIT_BITS=units.element_size() * 8, HAS_ZERO=zero is not None,
-        GROUP=_group(k, scale2d), INTERLEAVED=interleaved, BLOCK_N=32, BLOCK_K=128, num_warps=4)
+        scale2d.shape[1], BITS=bits, UNIT_BITS=units.element_size() * 8,
+        HAS_ZERO=zero is not None or has_half_scales(scale), GROUP=_group(k, scale2d),
+        HALF_SCALES=has_half_scales(scale), INTERLEAVED=interleaved, BLOCK_N=32, BLOCK_K=128, num_warps=4)
     return out
 
 
@@ -348,7 +387,8 @@ def dequantized_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        bits: int, interleaved: bool = False) -> torch.Tensor:
     """out (M, N) = x (M, K) @ dequant(w)^T in x's dtype, for int8 ((N, K)) or packed int4 ((N, K/2)) weights in the
-    engine or the interleaved layout with float32 scales (and zero points) per row or group: the tensor-core
+    engine or the interleaved layout with float32 scales (and zero points) per row or group, or an int32 `scale` of
+    fp16 (scale, zero point) pairs per group (half_scale_pairs; `zero` None): the tensor-core
     kernel, or dequantize + cuBLAS from DEQUANTIZE_MIN_ROWS rows (and for groups too small for the kernel)."""
     config = mma_config(x.shape[0], bits)
     group = _group(x.shape[1], scale.reshape(weight.shape[0], -1))

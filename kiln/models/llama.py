@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import PretrainedConfig
-from kiln.kernels import AttentionMetadata, ReferenceOps, reference, rope_cos_sin, select_ops
+from kiln.kernels import (AttentionMetadata, DeferredNorm, ReferenceOps, ResidualSum, reference, rope_cos_sin,
+                          select_ops)
 
 from kiln.checkpoint.layout import embedding_shape, linear_shapes
 from kiln.checkpoint.sharding import local_dims
@@ -22,6 +23,7 @@ from .base import PretrainedModel
 class RMSNorm(nn.Module):
     ops = ReferenceOps  # the kernels; DecoderForCausalLM.load sets the device's choice on every module
     fp8_out = False     # output quantized per token (Fp8Rows) for the FP8 layer it feeds (set at load)
+    deferred = False    # left to the quantized layer it feeds where the kernel before summed the residual (at load)
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -29,6 +31,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, residual=None):
+        """(norm of x + residual, x + residual); x may be a ResidualSum (the sum made by the GEMV before), whose
+        norm may be deferred to the GEMV after (DeferredNorm)."""
+        if isinstance(x, ResidualSum):
+            if self.deferred:
+                return DeferredNorm(x.residual, x.sum_squares, self.weight, self.eps), x.residual
+            x, residual = x.residual, None
         if residual is None:
             norm = self.ops.rms_norm_fp8 if self.fp8_out else self.ops.rms_norm
             return norm(x, self.weight, self.eps), x
@@ -46,8 +54,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x, silu: bool = False):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output."""
+    def forward(self, x, silu: bool = False, residual=None):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output. (`residual`, what the output is added
+        to next, lets quantized layers fold the add in; here the RMSNorm after adds it.)"""
         out = self.ops.linear(x, self.weight, self.bias)
         return self.ops.silu_and_mul(out) if silu else out
 
@@ -82,10 +91,13 @@ class QuantLinear(nn.Module):
             for name, tensor in tensors.items():
                 setattr(self, name, tensor)
 
-    def forward(self, x, silu: bool = False):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it)."""
+    def forward(self, x, silu: bool = False, residual=None):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it); residual:
+        what the output is added to and RMS-normalized after, which the kernel may fold in (ResidualSum)."""
         if silu:
             return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)
+        if residual is not None:
+            return self.ops.quant_linear_before_norm(x, self.algo, self.quant_params(), self.bias, residual)
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
 
     @property
@@ -123,12 +135,17 @@ class Attention(nn.Module):
         # (k scale, v scale) of a quantized cache; None keeps the cache in the model's dtype
         self.register_buffer("kv_scale", torch.empty(2) if config.quantization.kv_cache_quant_algo else None)
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
+    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin, residual=None):
+        """The attention output projected, or (one rank, where o_proj's kernel folds the add in) already added to
+        `residual` as a ResidualSum."""
         t = x.shape[0]
         q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads, self.kv_heads,
                                     self.head_dim, self.kv_scale)                  # (T, H, D); k, v cached
         out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window, self.kv_scale)  # (T, H, D)
-        return self.comm.all_reduce(self.o_proj(out.reshape(t, self.heads * self.head_dim)))
+        out = out.reshape(t, self.heads * self.head_dim)
+        if self.comm.tp_size == 1:
+            return self.o_proj(out, residual=residual)
+        return self.comm.all_reduce(self.o_proj(out))
 
 
 class GatedMLP(nn.Module):
@@ -144,8 +161,11 @@ class GatedMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gated = True
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """As Attention.forward: one rank's down_proj may add its output to `residual` (ResidualSum)."""
         act = self.ops.silu_and_mul_fp8(self.gate_up_proj(x)) if self.fp8_act else self.gate_up_proj(x, silu=True)
+        if self.comm.tp_size == 1:
+            return self.down_proj(act, residual=residual)
         return self.comm.all_reduce(self.down_proj(act))
 
 
@@ -189,11 +209,19 @@ class DecoderLayer(nn.Module):
             self.post_attn_norm.fp8_out = takes(self.mlp.gate_up_proj)
             self.mlp.fp8_act = takes(self.mlp.down_proj)
 
+    def defer_norms_to_quantized_layers(self) -> None:
+        """Each RMSNorm feeding a quantized layer leaves itself to that layer's kernel when the kernel before it
+        summed the residual (decode GEMVs: kernels/folded.py); the reference never sums, so nothing is deferred."""
+        self.input_norm.deferred = isinstance(self.attn.qkv_proj, QuantLinear) and not self.input_norm.fp8_out
+        if hasattr(self, "mlp"):
+            self.post_attn_norm.deferred = (isinstance(self.mlp.gate_up_proj, QuantLinear)
+                                            and not self.post_attn_norm.fp8_out)
+
     def forward(self, x, residual, positions, meta, kv_cache, cos_sin):
         x, residual = self.input_norm(x, residual)
-        x = self.attn(x, positions, meta, kv_cache, cos_sin)
+        x = self.attn(x, positions, meta, kv_cache, cos_sin, residual)
         x, residual = self.post_attn_norm(x, residual)
-        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x)), residual
+        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x, residual)), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -237,6 +265,7 @@ class DecoderForCausalLM(nn.Module):
                 module.use_kernel_layout()
         for layer in net.layers.values():
             layer.quantize_activations_where_made()
+            layer.defer_norms_to_quantized_layers()
         return net.eval()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -259,7 +288,7 @@ class DecoderForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin)
         if not self.dims.last_stage:
-            return x + residual
+            return x.residual if isinstance(x, ResidualSum) else x + residual
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""Decode activations whose residual add or RMSNorm a weight-only GEMV folded into itself (one rank, ≤ 4 rows):
+o_proj and down_proj add their output to the residual stream and sum its squares; RMSNorm then defers to the next
+GEMV (qkv_proj, gate_up_proj), which normalizes x as it loads it. Only the kernels make or read them
+(TritonOps.quant_linear_before_norm); the reference never folds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ResidualSum:
+    """x + residual, written into the residual's buffer by the GEMV that made x, and each of that GEMV's programs'
+    sum of squares of its columns of every row: the next RMSNorm's statistics without another pass."""
+
+    residual: torch.Tensor       # (T, hidden): the new residual stream
+    sum_squares: torch.Tensor    # (T, programs) float32
+
+
+@dataclass
+class DeferredNorm:
+    """rms_norm(residual, weight, eps), not yet applied: the GEMV that reads it normalizes each column of x as it
+    loads it, 1/rms from the partial sums of squares."""
+
+    residual: torch.Tensor
+    sum_squares: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.residual.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.residual.dtype
