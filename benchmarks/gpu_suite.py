@@ -400,7 +400,8 @@ def decode_fusions(args):
     from kiln.kernels import triton_kernels as tk
     switches = tk.GEMV_SWITCHES
     saved = {name: getattr(tk, name) for name in switches}
-    variants = [("off", set()), *[(name[5:].lower(), {name}) for name in switches], ("all", set(switches))]
+    variants = [("off", set()), *[(name[5:].lower(), {name}) for name in switches], ("all", set(switches)),
+                *[(f"all_but_{name[5:].lower()}", set(switches) - {name}) for name in switches]]
     log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))
     try:
         for algo in ("W8A16", "W4A16_AWQ"):
@@ -411,6 +412,12 @@ def decode_fusions(args):
                 log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
             del engine
             torch.cuda.empty_cache()
+        engine = _latency_engine("W4A16_AWQ", 128, lm_head=True)        # the LM head quantized too
+        for label, enabled in (("all", set(switches)), ("all_but_silu", set(switches) - {"GEMV_SILU"})):
+            for name in switches:
+                setattr(tk, name, name in enabled)
+            log(f"decode_fusions_{label}_W4A16_AWQ+lm_head_bs1_tok_s", _engine_decode_tok_s(engine, "W4A16_AWQ", 128))
+        del engine
     finally:
         for name, value in saved.items():
             setattr(tk, name, value)
