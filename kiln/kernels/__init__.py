@@ -133,5 +133,5 @@ def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_a
         return ReferenceOps()
 
 
-__all__ = ["AttentionMetadata", "DeferredNorm", "ReferenceOps", "ResidualSum", "TritonOps", "reference", "rope_cos_sin", "rope_inv_freq",
-           "select_ops"]
+__all__ = ["AttentionMetadata", "DeferredNorm", "ReferenceOps", "ResidualSum", "TritonOps", "reference", "rope_cos_sin",
+           "rope_inv_freq", "select_ops"]

@@ -664,10 +664,11 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
     converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
     row; HALF_SCALES: int4 scale and zero point as one fp16 pair per group (triton_weight_only.load_scale_zero);
-    EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math; SILU: the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up. NORM_X: x is the residual
-    stream, RMS-normalized as it is loaded (weight norm_w_ptr, 1/rms from the (ROWS, PARTS) partial sums of squares
-    at sumsq_in_ptr). ADD_RESIDUAL: out is the residual, the product is added to it and each program writes its
-    sum of squares to sumsq_out_ptr (ROWS, programs). (Not both: the residual would be read while written.)"""
+    EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math; SILU:
+    the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up. NORM_X: x is the residual stream,
+    RMS-normalized as it is loaded (weight norm_w_ptr, 1/rms from the (ROWS, PARTS) partial sums of squares at
+    sumsq_in_ptr). ADD_RESIDUAL: out is the residual, the product is added to it and each program writes its sum
+    of squares to sumsq_out_ptr (ROWS, programs). (Not both: the residual would be read while written.)"""
     VALS: tl.constexpr = 32 // BITS
     COLS: tl.constexpr = 4 * VALS
     W: tl.constexpr = 4 * BLOCKS
@@ -795,19 +796,21 @@ def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale
     groups = scale2d.shape[1]
     block_n, blocks, prefetch = config or gemv_config(n, k, m, bits)
     programs = triton.cdiv(n, block_n)
-    even = n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0
     if residual is None:
         out = sumsq_out = torch.empty((m, n // 2 if silu else n), dtype=rows.dtype, device=rows.device)
     else:
         out, sumsq_out = residual, torch.empty((m, programs), dtype=torch.float32, device=rows.device)
-    parts = x.sum_squares.shape[1] if normed else 1
+    # a plain x: placeholders (and one partial, so that PARTS_PAD adds no specializations)
+    norm_w, sumsq_in, parts, eps = (x.weight, x.sum_squares, x.sum_squares.shape[1], x.eps) if normed else \
+        (rows, sumsq_out, 1, 0.0)
+    half = has_half_scales(scale)
     _weight_only_gemv_kernel[(programs,)](
-        rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out,
-        x.weight if normed else rows, x.sum_squares if normed else sumsq_out, sumsq_out, n, k, k * bits // 32, groups,
-        parts, x.eps if normed else 0.0, BITS=bits, HAS_ZERO=zero is not None or has_half_scales(scale),
-        GROUP=0 if groups == 1 else int4_group_size(k, groups), HALF_SCALES=has_half_scales(scale), ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
-        PREFETCH=prefetch, SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts),
-        ADD_RESIDUAL=residual is not None, num_warps=blocks // 32, **_launch())
+        rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, norm_w, sumsq_in, sumsq_out,
+        n, k, k * bits // 32, groups, parts, eps, BITS=bits, HAS_ZERO=zero is not None or half,
+        GROUP=0 if groups == 1 else int4_group_size(k, groups), HALF_SCALES=half, ROWS=m, BLOCK_N=block_n,
+        BLOCKS=blocks, EVEN=n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0, PREFETCH=prefetch,
+        SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts), ADD_RESIDUAL=residual is not None,
+        num_warps=blocks // 32, **_launch())
     return out if residual is None else ResidualSum(residual, sumsq_out)
 
 
