@@ -28,6 +28,16 @@ def _interpreter_scalars_as_numpy_24_wants() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_numpy_24_wants()
 
+@pytest.fixture
+def gemv_fusions_on(monkeypatch):
+    """Every decode-GEMV fusion switched on (triton_kernels.GEMV_SWITCHES), whatever the defaults: the tests of the
+    fused kernels must run them."""
+    from kiln.kernels import triton_kernels
+
+    for switch in triton_kernels.GEMV_SWITCHES:
+        monkeypatch.setattr(triton_kernels, switch, True)
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 VOCAB = 320  # 256 bytes + specials + unused rows, as real vocabularies have

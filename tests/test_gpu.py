@@ -240,6 +240,7 @@ def _stood_for(params: dict, gpu: dict) -> dict:
 
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+@pytest.mark.usefixtures("gemv_fusions_on")
 def test_gate_up_gemv_writes_silu(algo):
     """The 8B gate_up on paired rows: the GEMV's SiLU(gate)·up equals the unfused GEMV + silu_and_mul bit for bit
     (1-4 rows) and the float64 reference; above 4 rows the tiled kernel + silu_and_mul reading the pairs."""
@@ -262,6 +263,7 @@ def test_gate_up_gemv_writes_silu(algo):
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 @pytest.mark.parametrize("producer, consumer", [("o", "qkv"), ("down", "gate_up")])
+@pytest.mark.usefixtures("gemv_fusions_on")
 def test_gemvs_fold_the_residual_norm(algo, producer, consumer):
     """The 8B shapes, 1-4 rows: o_proj/down_proj adding the residual (equal to the unfused GEMV + add_rms_norm's
     sum, with per-program sums of squares), the next GEMV applying the deferred RMSNorm as it loads x (gate_up with
@@ -295,6 +297,7 @@ def test_gemvs_fold_the_residual_norm(algo, producer, consumer):
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1536, 576)])
+@pytest.mark.usefixtures("gemv_fusions_on")
 def test_half_scale_pairs(n, k):
     """W4A16_AWQ g128 on fp16 (scale, zero point) pairs: half the bytes of the float32 grid; the GEMV (1-4 rows),
     the tiled kernel (7, 64) and dequantize + cuBLAS (1024) against the float64 product of the fp16-rounded grid,

@@ -13,6 +13,8 @@ from kiln.kernels import quant
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs in its own process with TRITON_INTERPRET=1 (test_quantization.py)", allow_module_level=True)
 
+pytestmark = pytest.mark.usefixtures("gemv_fusions_on")      # whatever the defaults, the fused kernels are tested
+
 
 def _params(algo: str, w: torch.Tensor, group: int = 32) -> dict:
     if algo == "W8A16":
@@ -67,7 +69,9 @@ def test_interpreted_gemv_matches_the_reference(interpreted, algo, n, k, config)
 
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
-def test_interpreted_tiled_matmul_reads_both_layouts(interpreted, algo):
+@pytest.mark.parametrize("half", [False, True])
+def test_interpreted_tiled_matmul_reads_both_layouts(interpreted, algo, half, monkeypatch):
+    monkeypatch.setattr(interpreted, "GEMV_HALF_SCALES", half)         # float32 or fp16 (scale, zero) pairs
     g = torch.Generator().manual_seed(3)
     params = _params(algo, torch.randn(24, 128, generator=g))
     x = torch.randn(5, 128, generator=g)

@@ -465,13 +465,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 # columns of int4, 16 of int8). The decode GEMV then multiplies value j of four adjacent words by one contiguous
 # slice of x, with 16-byte weight loads and no gathers.
 #
-# Fusions of the decode GEMV, each a switch read when a network is loaded (benchmarks/gpu_suite.py's gemv_fusions
-# phase flips them between loads to measure each off and on; docs/quantization.md):
-GEMV_SILU = True      # gate_up's rows paired at load; its GEMV writes SiLU(gate)·up (no silu_and_mul kernel)
-GEMV_NORMS = True     # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
+# Fusions of the decode GEMV, each a switch read when a network is loaded (benchmarks/gpu_suite.py's decode_fusions
+# phase flips them between loads to measure each off and on; docs/quantization.md). Defaults follow the H200
+# measurements; the two not yet run on a GPU (interpreter-tested only) are off until they are.
+GEMV_SILU = (8,)      # bit widths whose gate_up rows are paired at load, so that the GEMV writes SiLU(gate)·up (no
+                      # silu_and_mul kernel); True: every width. int8 +4.4% at batch 1, int4 -6.4% (docs/performance.md)
+GEMV_NORMS = False    # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
                       # they load x (no add_rms_norm kernels; one rank only: kernels/folded.py); read per call, i.e.
-                      # when a CUDA graph is captured
-GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8)
+                      # when a CUDA graph is captured. Not yet run on a GPU.
+GEMV_HALF_SCALES = False  # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8). Not yet
+                          # run on a GPU.
 GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES")
 
 
@@ -532,7 +535,7 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     tensors = {"weight": interleave_weight(weight, bits), "weight_scale": params["weight_scale"]}
     if "weight_zero" in params:
         tensors["weight_zero"] = params["weight_zero"]
-    paired = gated and GEMV_SILU
+    paired = gated and (GEMV_SILU is True or bits in (GEMV_SILU or ()))
     if paired:
         tensors = {name: pair_gate_up_rows(t) for name, t in tensors.items()}
     half = GEMV_HALF_SCALES and bits == 4 and _fp16_keeps(params)
