@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 
@@ -10,9 +11,10 @@ from kiln.kernels import AttentionMetadata
 
 
 @torch.inference_mode()
-def perplexity(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
-               window: int | None = None) -> tuple[float, int]:
-    """(perplexity, number of predicted tokens): each window predicts its tokens 2..n from the ones before."""
+def window_log_probs(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
+                     window: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window: (log-probabilities (n, vocab) of each next token, the n tokens that follow); each window
+    predicts its tokens 2..n+1 from the ones before."""
     from kiln.runtime.model_runner import ModelRunner
 
     window = min(window or 512, engine.build_config.max_input_len, engine.build_config.max_num_tokens)
@@ -22,13 +24,20 @@ def perplexity(engine: Engine, token_ids: list[int], device: torch.device | str 
     bs = runner.tokens_per_block
     runner.allocate_kv(-(-window // bs))
     t = lambda values: torch.tensor(values, dtype=torch.int64, device=runner.device)  # noqa: E731
-    total, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start:start + window + 1]
         inputs, targets = chunk[:-1], chunk[1:]
         n = len(inputs)
         meta = AttentionMetadata(t(list(range(n))), t([0, n]), t([n]), t([list(range(-(-n // bs)))]), n, n, bs)
         logits = runner.net.compute_logits(runner.net(t(inputs), t(list(range(n))), meta, runner.kv_caches))
-        total -= torch.log_softmax(logits, dim=-1).gather(1, t(targets)[:, None]).sum().item()
+        yield torch.log_softmax(logits, dim=-1), t(targets)
+
+
+def perplexity(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
+               window: int | None = None) -> tuple[float, int]:
+    """(perplexity, number of predicted tokens)."""
+    total, count = 0.0, 0
+    for log_probs, targets in window_log_probs(engine, token_ids, device, window):
+        total -= log_probs.gather(1, targets[:, None]).sum().item()
         count += len(targets)
     return math.exp(total / count), count

@@ -238,7 +238,7 @@ def _correlated_inputs(tokens: int, width: int, seed: int) -> torch.Tensor:
 
 
 def test_gptq_lowers_the_layer_output_error_below_round_to_nearest():
-    from kiln.quantization.gptq import gptq_fp8, gptq_int4
+    from kiln.quantization.gptq import gptq_fp8, gptq_int4, gptq_int8
 
     x = _correlated_inputs(1024, 192, 0)
     h = x.T @ x / len(x)
@@ -250,6 +250,10 @@ def test_gptq_lowers_the_layer_output_error_below_round_to_nearest():
         levels = gptq_int4(w, h, scale, zero)
         assert levels.dtype == torch.uint8 and int(levels.max()) <= 15
         assert error(quant.int4_values(levels, scale, zero)) < 0.8 * error(rtn)
+    int8 = gptq_int8(w, h, w.abs().amax(dim=1) / 127.0)
+    assert int8.dtype == torch.int8 and int(int8.abs().max()) <= 127
+    assert error(quant.dequantize_int8(int8, w.abs().amax(dim=1) / 127.0)) < \
+        0.8 * error(quant.dequantize_int8(*quant.quantize_int8(w)))
     scale = w.abs().amax(dim=1) / quant.FP8_MAX
     fp8 = gptq_fp8(w, h, scale)
     assert fp8.dtype == quant.FP8
@@ -294,7 +298,7 @@ def test_awq_scale_folding_keeps_the_float_function(tiny_models, name):
         assert torch.allclose(stats[n][0], after[n].T @ after[n] / len(after[n]), rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("algo", ["W4A16_AWQ", "W4A16_GPTQ", "FP8_PER_CHANNEL_PER_TOKEN"])
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ", "W4A16_GPTQ", "FP8_PER_CHANNEL_PER_TOKEN"])
 def test_calibrated_weights_beat_round_to_nearest(tiny_models, algo):
     """On text like the calibration text, the calibrated weights keep the logits closer to the float model's than
     the same grids filled by plain rounding (weights only: activations left in float on both sides)."""
@@ -345,7 +349,7 @@ def test_awq_kv_scales_cover_the_rescaled_values(tiny_models):
     assert any(not torch.allclose(a[1], p[1], rtol=1e-2) for a, p in scales)      # the values' range moved
 
 
-@pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
 def test_round_to_nearest_skips_the_searches(tiny_models, algo):
     """quantize_model(round_to_nearest=True) (random-weight benchmarks) fills the same grids by plain rounding:
     no AWQ scales folded into the norms, every matrix exactly its own round-to-nearest quantization."""

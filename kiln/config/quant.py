@@ -16,12 +16,13 @@ class QuantConfig:
     """How weights, activations and the KV cache are quantized (all None: the model's own dtype)."""
 
     quant_algo: str | None = None
-    """W8A16 / W4A16: weight-only int8 / int4 per output channel (round to nearest); W4A16_GPTQ / W4A16_AWQ: int4
-    per group of group_size input columns, calibrated layer by layer (GPTQ: act-order error compensation on
-    clip-searched static groups; AWQ: activation-aware scales folded into the preceding op, clipping search, zero
-    points); W8A8_SQ_PER_CHANNEL[_PER_TOKEN]: SmoothQuant int8 weights and activations (static per-tensor or
-    dynamic per-token activation scales); FP8[_PER_CHANNEL_PER_TOKEN]: e4m3 weights per channel (rounded by GPTQ),
-    activations with a static or per-token scale; None: no weight quantization."""
+    """W8A16: weight-only int8 per output channel, rounded by GPTQ layer by layer; W4A16: int4 per output channel
+    (round to nearest); W4A16_GPTQ / W4A16_AWQ: int4 per group of group_size input columns, calibrated layer by
+    layer (GPTQ: act-order error compensation on clip-searched static groups; AWQ: activation-aware scales folded
+    into the preceding op, clipping search, zero points); W8A8_SQ_PER_CHANNEL[_PER_TOKEN]: SmoothQuant int8 weights
+    and activations (static per-tensor or dynamic per-token activation scales); FP8[_PER_CHANNEL_PER_TOKEN]: e4m3
+    weights per channel (rounded by GPTQ), activations with a static or per-token scale; None: no weight
+    quantization."""
     kv_cache_quant_algo: str | None = None
     """KV cache storage: INT8 or FP8 with calibrated per-layer scales; None keeps the model's dtype."""
     group_size: int | None = 128

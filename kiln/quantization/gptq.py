@@ -63,6 +63,14 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, zero:
     return int4_levels(gptq(w, hessian, round_column), scale, zero)
 
 
+def gptq_int8(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(out, in) int8 levels of w / scale (symmetric, scale per output row, (out,)) by GPTQ."""
+    def round_column(values, _column):
+        return torch.round(values / scale).clamp(-127, 127) * scale
+
+    return torch.round(gptq(w, hessian, round_column) / scale[:, None]).clamp(-127, 127).to(torch.int8)
+
+
 def gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(out, in) e4m3 values of w / scale (scale per output row, (out,)) by GPTQ."""
     def round_column(values, _column):

@@ -1,11 +1,12 @@
-"""W4A16_AWQ, W4A16_GPTQ and the FP8 modes: weights quantized decoder layer by decoder layer on calibration inputs.
+"""W8A16, W4A16_AWQ, W4A16_GPTQ and the FP8 modes: weights quantized decoder layer by decoder layer on calibration
+inputs.
 
 Per layer: capture the inputs X of its four linear modules (from the already-quantized layers before it) and keep
 H = XᵀX / tokens and the mean |x| per channel. W4A16_AWQ then searches and folds its per-channel scales; the int4
 modules get a clipping search for their group grids, then their levels by round to nearest (AWQ) or GPTQ, then the
-grid refitted to the levels by least squares (refit.py) and the levels rounded again on it; FP8 weights
-(per-channel e4m3) are rounded by GPTQ. The layer's weights are replaced by their quantized values before its
-outputs feed the next layer.
+grid refitted to the levels by least squares (refit.py) and the levels rounded again on it; int8 (W8A16) and
+FP8 weights (per channel, scale from the row's largest magnitude) are rounded by GPTQ. The layer's weights are
+replaced by their quantized values before its outputs feed the next layer.
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from kiln.models.base import PretrainedModel
 from kiln.utils.steps import progress
 
 from .awq import fake_quantize, search_clip, search_scales, tie_heads
-from .gptq import gptq_fp8, gptq_int4
+from .gptq import gptq_fp8, gptq_int4, gptq_int8
 from .layerwise import LayerRunner
 from .refit import refit_grid
 
 LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-ALGOS = ("W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+ALGOS = ("W8A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 REFITS = 1          # int4: times the grid is refitted to the levels and the levels rounded again on it
 
 
@@ -64,11 +65,8 @@ def _clip_rows(name: str, config) -> torch.Tensor | None:
 def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig,
                      rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     w = module.weight.detach().float()
-    if quant_config.quant_algo.startswith("FP8"):
-        scale = w.abs().amax(dim=1).clamp_min(1e-8) / FP8_MAX
-        q = gptq_fp8(w, hessian, scale)
-        _assign(module.weight, q.float() * scale[:, None])
-        return {"weight": q, "weight_scale": scale}
+    if quant_config.quant_algo == "W8A16" or quant_config.quant_algo.startswith("FP8"):
+        return _quantize_per_channel(module, w, hessian, quant_config.quant_algo)
     group, zero_point = quant_config.group_size, quant_config.has_zero_point
     ratio = search_clip(w, hessian, group, zero_point, None if rows is None else rows.to(w.device))
     scale, zero = int4_grid(w, group, zero_point, ratio)
@@ -85,6 +83,15 @@ def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig,
     deq = int4_values(levels, scale, zero)
     _assign(module.weight, deq)
     return {"weight": levels, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
+
+
+def _quantize_per_channel(module, w: torch.Tensor, hessian: torch.Tensor, algo: str) -> dict[str, torch.Tensor]:
+    """int8 or e4m3 per output row, the row's largest magnitude on the format's largest value, rounded by GPTQ."""
+    int8 = algo == "W8A16"
+    scale = w.abs().amax(dim=1).clamp_min(1e-8) / (127.0 if int8 else FP8_MAX)
+    q = (gptq_int8 if int8 else gptq_fp8)(w, hessian, scale)
+    _assign(module.weight, q.float() * scale[:, None])
+    return {"weight": q, "weight_scale": scale}
 
 
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
