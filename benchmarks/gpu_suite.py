@@ -191,7 +191,7 @@ def throughput(args):
         max_batch = shape[3] if len(shape) > 3 else args.max_batch
         engine, llm = _llm("throughput", input_len, output_len, max_batch)
         vocab = engine.pretrained_config.vocab_size
-        bench.warm_up(llm, input_len, vocab, max_batch, num)
+        bench.warm_up(llm, input_len, output_len, vocab, max_batch, num)
         prompts = bench.random_prompts(num, input_len, vocab)
         torch.cuda.synchronize()
         outputs, elapsed = bench.run_requests(llm, prompts, output_len)
@@ -354,7 +354,7 @@ def quant_fp8_throughput(args):
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build,
                                  quant_config=QuantConfig(quant_algo="FP8_PER_CHANNEL_PER_TOKEN"))
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-        bench.warm_up(llm, 128, 128000, args.max_batch)
+        bench.warm_up(llm, 128, 128, 128000, args.max_batch)
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
         log("quant_FP8_throughput_128_128_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / elapsed, 1))
         log("quant_FP8_throughput_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
@@ -440,7 +440,7 @@ def _overlapped_tok_s(engine, args, profile: bool) -> float:
     """Output tok/s of --requests 128/128 requests with overlapped steps, after a warm-up on the same shapes."""
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
              enable_trt_overlap=True) as llm:
-        bench.warm_up(llm, 128, 128000, args.max_batch)
+        bench.warm_up(llm, 128, 128, 128000, args.max_batch)
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
         if profile:
             _profile_fp8_decode(llm)
@@ -566,7 +566,7 @@ def timeline(args):
         model_runner.Launch.host_tokens = timed_host_tokens
         with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
                  enable_trt_overlap=True) as llm:
-            bench.warm_up(llm, 128, 128000, args.max_batch)
+            bench.warm_up(llm, 128, 128, 128000, args.max_batch)
             core, steps = llm.core, []
             step = core.step
 

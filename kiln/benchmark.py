@@ -196,13 +196,13 @@ def run_requests(llm, prompts: list[list[int]], output_len: int, request_rate: f
     return outputs, time.perf_counter() - start
 
 
-def warm_up(llm, input_len: int, vocab: int, max_batch: int, num_requests: int | None = None,
-            output_len: int = 8) -> None:
+def warm_up(llm, input_len: int, output_len: int, vocab: int, max_batch: int, num_requests: int | None = None) -> None:
     """Run the throughput workload's shapes once before measuring it — a full batch of prompts, then a second
-    wave whose prompts join sequences still decoding (at most num_requests prompts) — so that kernel compilation
-    (Triton specialises on the sizes it sees) and library heuristics for new shapes stay out of the measured time."""
+    wave whose prompts join sequences still decoding (at most num_requests prompts, at most 8 new tokens each) — so
+    that kernel compilation (Triton specialises on the sizes it sees) and library heuristics for new shapes stay out
+    of the measured time."""
     count = min(num_requests or max_batch * 2, max_batch + max_batch // 2)
-    run_requests(llm, random_prompts(count, input_len, vocab, seed=1), output_len)
+    run_requests(llm, random_prompts(count, input_len, vocab, seed=1), min(output_len, 8))
 
 
 def summarize(mode: str, model: str, dtype: str, outputs, elapsed: float, input_len: int, output_len: int) -> BenchResult:

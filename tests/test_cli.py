@@ -76,3 +76,13 @@ def test_flags_carry_their_field_docs(capsys):
 def test_installed_scripts():
     for cmd in (["kiln", "--help"], ["kiln-build", "--help"]):
         assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_bench_throughput_runs_on_the_cpu_with_few_new_tokens(capsys):
+    """kiln bench throughput on a random SmolLM2-shaped engine: the warm-up (a wave and a half of the workload's
+    prompts) must fit the engine built for the workload, also when it asks for fewer new tokens than the warm-up's."""
+    assert main(["bench", "throughput", "--model", "smollm2-135m", "--dtype", "float32", "--device", "cpu",
+                 "--num_requests", "3", "--input_len", "8", "--output_len", "2", "--max_batch_size", "2",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_requests"] == 3 and result["output_tokens"] == 6

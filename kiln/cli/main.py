@@ -426,7 +426,8 @@ def cmd_bench(args) -> None:
             result = bench.summarize("latency", name, dtype, outputs, elapsed, args.input_len, args.output_len)
             bench.decode_limit_pct(result, engine, hw)
         else:
-            bench.warm_up(llm, args.input_len, vocab, engine.build_config.max_batch_size, args.num_requests)
+            bench.warm_up(llm, args.input_len, args.output_len, vocab, engine.build_config.max_batch_size,
+                          args.num_requests)
             prompts = bench.random_prompts(args.num_requests, args.input_len, vocab, spread=args.input_spread)
             outputs, elapsed = bench.run_requests(llm, prompts, args.output_len, args.request_rate)
             result = bench.summarize("throughput", name, dtype, outputs, elapsed, args.input_len, args.output_len)
