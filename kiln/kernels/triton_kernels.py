@@ -518,6 +518,11 @@ def _weight_only(algo: str) -> bool:
     return algo == "W8A16" or algo.startswith("W4A16")
 
 
+def _bits(algo: str) -> int:
+    """Bits per weight of a weight-only mode."""
+    return 8 if algo == "W8A16" else 4
+
+
 def _paired(params: dict) -> bool:
     layout = params.get("layout")
     return isinstance(layout, Interleaved) and layout.paired_rows
@@ -528,7 +533,7 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     where the engine layout is used as it is. gated: a gate/up projection without bias, read by quant_linear_silu."""
     if not _weight_only(algo):
         return None
-    bits = 8 if algo == "W8A16" else 4
+    bits = _bits(algo)
     weight = params["weight"]
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
@@ -887,12 +892,17 @@ def _weight_only_product(x: torch.Tensor, algo: str, params: dict) -> torch.Tens
     interleaved layout, triton_weight_only for more rows or the engine layout."""
     from . import triton_weight_only
 
-    bits = 8 if algo == "W8A16" else 4
-    interleaved = isinstance(params.get("layout"), Interleaved)
     if _gemv_takes(x, algo, params):
-        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), bits)
+        return _layer_gemv(x, algo, params)
     return triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
-                                                 params.get("weight_zero"), bits, interleaved)
+                                                 params.get("weight_zero"), _bits(algo),
+                                                 isinstance(params.get("layout"), Interleaved))
+
+
+def _layer_gemv(x, algo: str, params: dict, **options):
+    """weight_only_gemv on a weight-only layer's parameters (options: silu, residual)."""
+    return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"), _bits(algo),
+                            **options)
 
 
 def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
@@ -902,8 +912,7 @@ def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tens
     if not _paired(params):
         return silu_and_mul(quant_linear(x, algo, params, bias, fp8_fast_accumulation))
     if _gemv_takes(x, algo, params):
-        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
-                                8 if algo == "W8A16" else 4, silu=True)
+        return _layer_gemv(x, algo, params, silu=True)
     return silu_and_mul(_weight_only_product(_applied(x), algo, params), paired=True)
 
 
@@ -914,8 +923,7 @@ def quant_linear_before_norm(x: torch.Tensor, algo: str, params: dict, bias: tor
     product alone, for add_rms_norm."""
     if (GEMV_NORMS and bias is None and isinstance(x, torch.Tensor) and _gemv_takes(x, algo, params)
             and not _paired(params) and residual.dtype == x.dtype and residual.is_contiguous()):
-        return weight_only_gemv(x, params["weight"], params["weight_scale"], params.get("weight_zero"),
-                                8 if algo == "W8A16" else 4, residual=residual)
+        return _layer_gemv(x, algo, params, residual=residual)
     return quant_linear(x, algo, params, bias, fp8_fast_accumulation)
 
 

@@ -76,8 +76,8 @@ class CudaGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             tables: list[list[int]], long: bool = False, fill=None) -> torch.Tensor:
-        """Logits (n, vocab), in the model's dtype, of n one-token sequences (`long`: some sequence is past LONG_CONTEXT keys);
-        `fill` = (rows, device tokens): input ids that are only on the device yet."""
+        """Logits (n, vocab), in the model's dtype, of n one-token sequences (`long`: some sequence is past
+        LONG_CONTEXT keys); `fill` = (rows, device tokens): input ids that are only on the device yet."""
         n, b = len(input_ids), self.max_batch
         size = next(s for s in self.sizes if s >= n)
         self.turn ^= 1
