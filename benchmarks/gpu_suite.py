@@ -333,11 +333,11 @@ def quant_kernels(args):
 @phase
 def quant_latency(args):
     """Batch-1 decode of the 8B shape (3 prompts of 128 tokens, 128 new tokens, the first a warm-up) per mode of
-    --latency_modes: ALGO (bf16 = none), +lm_head for quantize_lm_head."""
+    --latency_modes (_mode_quant; a quantized KV cache is not for this phase)."""
     for mode in args.latency_modes.split(","):
-        algo, *extras = mode.split("+")
+        quant, lm_head = _mode_quant(mode)
         log(f"quant_{mode}_bs1_decode_tok_s",
-            _decode_tok_s(None if algo == "bf16" else algo, new_tokens=128, lm_head="lm_head" in extras,
+            _decode_tok_s(quant.quant_algo, new_tokens=128, lm_head=lm_head,
                           profile=f"latency_{mode.replace('+', '_')}" if args.profile else None))
 
 
@@ -360,6 +360,17 @@ def quant_fp8_throughput(args):
         log("quant_FP8_throughput_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
         if args.profile:
             _profile_fp8_decode(llm)
+
+
+def _mode_quant(mode: str):
+    """(QuantConfig, LM head quantized) of a mode written ALGO (bf16 = none), then +INT8 or +FP8 for a quantized KV
+    cache and +lm_head for quantize_lm_head."""
+    from kiln.config import QuantConfig
+    algo, *extras = mode.split("+")
+    lm_head = "lm_head" in extras
+    kv = next((e for e in extras if e in ("INT8", "FP8")), None)
+    return QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv,
+                       exclude_modules=[] if lm_head else ["lm_head"]), lm_head
 
 
 def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None, lm_head: bool = False) -> float:
@@ -393,10 +404,16 @@ def _engine_decode_tok_s(engine, algo: str | None, new_tokens: int, profile: str
     return round(1e3 / result.tpot_ms["p50"], 1)
 
 
+def _set_switches(tk, switches, enabled: set[str]) -> None:
+    for name in switches:
+        setattr(tk, name, name in enabled)
+
+
 @phase
 def decode_fusions(args):
     """Batch-1 decode of the weight-only modes (each engine built once) with the decode GEMV's fusions
-    (triton_kernels.GEMV_SWITCHES, read when a network is loaded) all off, each alone, then all on."""
+    (triton_kernels.GEMV_SWITCHES, read when a network is loaded) all off, each alone, all on and all but one;
+    then W4A16_AWQ with an int4 LM head, all on and all but the SiLU epilogue."""
     from kiln.kernels import triton_kernels as tk
     switches = tk.GEMV_SWITCHES
     saved = {name: getattr(tk, name) for name in switches}
@@ -407,15 +424,13 @@ def decode_fusions(args):
         for algo in ("W8A16", "W4A16_AWQ"):
             engine = _latency_engine(algo, 128)
             for label, enabled in variants:
-                for name in switches:
-                    setattr(tk, name, name in enabled)
+                _set_switches(tk, switches, enabled)
                 log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
             del engine
             torch.cuda.empty_cache()
         engine = _latency_engine("W4A16_AWQ", 128, lm_head=True)        # the LM head quantized too
         for label, enabled in (("all", set(switches)), ("all_but_silu", set(switches) - {"GEMV_SILU"})):
-            for name in switches:
-                setattr(tk, name, name in enabled)
+            _set_switches(tk, switches, enabled)
             log(f"decode_fusions_{label}_W4A16_AWQ+lm_head_bs1_tok_s", _engine_decode_tok_s(engine, "W4A16_AWQ", 128))
         del engine
     finally:
@@ -499,9 +514,9 @@ def _decode_attention_case(batch: int, context: tuple[int, int], kv_dtype, layer
 
 @phase
 def attn_sweep(args):
-    """Decode attention (one new token per sequence) per tile / warps / stages, for bf16, int8 and FP8 caches:
-    µs per layer and TB/s of the cache bytes it must read; the first line of each case checks against the first
-    config's output."""
+    """Decode attention (one new token per sequence) per ATTN_SWEEP configuration (tile, warps, stages, word-wise
+    reads of a quantized cache) for the --attn_dtypes caches: µs per layer and TB/s of the cache bytes it must read;
+    every configuration's output is checked against the first one's."""
     from kiln.kernels import triton_kernels as tk
     cases = [(512, (128, 256)), (256, (1024, 2048))]
     for kv_dtype in [getattr(torch, name) for name in args.attn_dtypes.split(",")]:
@@ -540,19 +555,18 @@ def attn_sweep(args):
             torch.cuda.empty_cache()
 
 
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(1e3 * sorted(seconds)[len(seconds) // 2], 2) if seconds else None
+
+
 @phase
 def timeline(args):
     """Where a 128/128 throughput run's time goes: every engine step's wall time, by kind (steps with prompt
     tokens, pure decode steps), and how long the host waited for the device's tokens (overlapped steps: a host
-    that never waits is the bottleneck). One run per mode in --timeline_modes: ALGO (bf16 = none), then +INT8 or
-    +FP8 for a quantized KV cache and +lm_head for quantize_lm_head."""
-    from kiln.config import QuantConfig
+    that never waits is the bottleneck). One run per mode in --timeline_modes (_mode_quant)."""
     from kiln.runtime import model_runner
     for mode in args.timeline_modes.split(","):
-        algo, *extras = mode.split("+")
-        kv = next((e for e in extras if e in ("INT8", "FP8")), None)
-        quant = QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv,
-                            exclude_modules=[] if "lm_head" in extras else ["lm_head"])
+        quant, _ = _mode_quant(mode)
         build = bench.default_bench_build("throughput", 128, 128, args.max_batch)
         engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
         waits = []
@@ -590,10 +604,8 @@ def timeline(args):
                    "prompt_steps_s": round(sum(s[2] for s in prompt_steps), 2),
                    "prompt_step_tokens_mean": round(sum(s[0] for s in prompt_steps) / max(1, len(prompt_steps))),
                    "full_decode_steps": len(decode_steps),
-                   "full_decode_step_ms_median": round(1e3 * sorted(s[2] for s in decode_steps)[len(decode_steps) // 2], 2)
-                   if decode_steps else None,
-                   "full_decode_wait_ms_median": round(1e3 * sorted(s[3] for s in decode_steps)[len(decode_steps) // 2], 2)
-                   if decode_steps else None,
+                   "full_decode_step_ms_median": _median_ms([s[2] for s in decode_steps]),
+                   "full_decode_wait_ms_median": _median_ms([s[3] for s in decode_steps]),
                    "other_steps_s": round(sum(s[2] for s in steps) - sum(s[2] for s in prompt_steps)
                                           - sum(s[2] for s in decode_steps), 2)}
         log(f"timeline_{mode}", summary)

@@ -28,6 +28,7 @@ def _interpreter_scalars_as_numpy_24_wants() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_numpy_24_wants()
 
+
 @pytest.fixture
 def gemv_fusions_on(monkeypatch):
     """Every decode-GEMV fusion switched on (triton_kernels.GEMV_SWITCHES), whatever the defaults: the tests of the
