@@ -31,12 +31,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.fixture
 def gemv_fusions_on(monkeypatch):
-    """Every decode-GEMV fusion switched on (triton_kernels.GEMV_SWITCHES), whatever the defaults: the tests of the
-    fused kernels must run them."""
+    """Every fusion of the CUDA-core decode GEMV switched on (triton_kernels.GEMV_SWITCHES), whatever the defaults:
+    the tests of the fused kernels must run them. int4 layers keep that GEMV's layout (GEMV_MMA off)."""
     from kiln.kernels import triton_kernels
 
     for switch in triton_kernels.GEMV_SWITCHES:
-        monkeypatch.setattr(triton_kernels, switch, True)
+        monkeypatch.setattr(triton_kernels, switch, switch != "GEMV_MMA")
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"

@@ -200,12 +200,14 @@ def test_quantized_matmul_kernels(algo, rows):
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 14336), (256, 576)])
-def test_weight_only_gemv(algo, n, k):
+def test_weight_only_gemv(algo, n, k, monkeypatch):
     """The decode GEMV against the float64 product on the same quantized weights, for 1-4 rows and for every
     configuration the engine picks or the suite sweeps; uneven row counts and blocks included. Outputs are poisoned
     first (every element must be written)."""
     from kiln.kernels import quant
     from kiln.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "GEMV_MMA", False)                  # the CUDA-core GEMV's interleaved layout
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05,
@@ -223,6 +225,36 @@ def test_weight_only_gemv(algo, n, k):
             torch.cuda.empty_cache()
             out = tk.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
             assert rel_err(out, ref) < 5e-3, (rows, config, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (32, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
+    """int4 in the tensor cores' fragment layout (kernels/int4_mma.py): the mma.sync product of 1-16 rows against
+    the float64 product on the same levels, and the dequantized matrix (products of more rows) equal to the engine
+    layout's, rounded to x's dtype; quant_linear of 1, 16 and 17 rows on the layout the engine loads."""
+    from kiln.kernels import int4_mma, quant
+    from kiln.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "GEMV_MMA", True)
+    g = torch.Generator(device="cuda").manual_seed(n + k + (group or 0))
+    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
+    layout, packed = tk.pack_quant(algo, params)
+    assert layout.fragments
+    assert torch.equal(int4_mma.unpack(packed["weight"]), params["weight"])
+    dequant = quant.dequantize_weight(algo, params)
+    scale, zero = params["weight_scale"], params.get("weight_zero")
+    assert torch.equal(int4_mma.dequantize(packed["weight"], scale, zero, dtype), dequant.to(dtype))
+    for rows in (1, 2, 3, 7, 8, 9, 16):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
+        ref = x.double() @ dequant.double().t()
+        out = int4_mma.gemv(x, packed["weight"], scale, zero)
+        assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, rel_err(out, ref))
+    for rows in (1, 16, 17):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
+        out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)
+        assert rel_err(out, x.double() @ dequant.double().t()) < 5e-3, rows
 
 
 def _gpu_layout(algo: str, params: dict, gated: bool = False) -> dict:

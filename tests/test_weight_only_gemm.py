@@ -184,3 +184,38 @@ def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
                     assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved, unpack, split)
             out = wo.dequantized_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
             assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved)
+
+
+def test_int4_fragment_layout_is_mma_a_operand():
+    """int4_mma.pack puts into nibble r + 4·ki of lane l's word of plane p exactly element 2r + ki of that lane's A
+    fragment of mma.m16n8k16 (PTX ISA: rows groupID (+8 for elements 2, 3, 6, 7), columns 2·threadID_in_group +
+    (i & 1) (+8 for i ≥ 4)) for the 16-row block and the 16 columns of the plane; unpack undoes pack."""
+    from kiln.kernels import int4_mma, quant
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 32, 256
+    levels = torch.randint(0, 16, (n, k), generator=g)
+    words = int4_mma.pack(quant.pack_int4(levels))
+    assert words.dtype == torch.int32 and words.shape == (n, k // 8)
+    assert torch.equal(int4_mma.unpack(words), quant.pack_int4(levels))
+    flat = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    for rb in range(n // 16):
+        for kc in range(k // 128):
+            for p in range(8):
+                for lane in range(32):
+                    word = int(flat[((rb * (k // 128) + kc) * 8 + p) * 32 + lane])
+                    group, thread = divmod(lane, 4)
+                    for i in range(8):                     # a_i: register i // 2, half i % 2
+                        row = group + (8 if i in (2, 3, 6, 7) else 0)
+                        col = 2 * thread + (i & 1) + (8 if i >= 4 else 0)
+                        nibble = (word >> (4 * (i // 2 + 4 * (i % 2)))) & 0xF
+                        assert nibble == levels[16 * rb + row, 128 * kc + 16 * p + col], (rb, kc, p, lane, i)
+
+
+def test_int4_fragment_layout_takes():
+    from kiln.kernels import int4_mma
+
+    assert int4_mma.takes((4096, 4096), 32) and int4_mma.takes((6144, 4096), 1)
+    assert not int4_mma.takes((4096, 4096), 64)            # g64: two groups per chunk
+    assert not int4_mma.takes((4008, 4096), 32) and not int4_mma.takes((576, 576), 5)
+    assert not int4_mma.available("cpu")

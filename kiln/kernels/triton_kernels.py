@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import int4_mma
 from .folded import DeferredNorm, ResidualSum
 from .quant import Fp8Rows
 from .triton_weight_only import half_scale_pairs, has_half_scales, load_scale_zero
@@ -296,7 +297,7 @@ def _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, 
             tl.load(words + cache_half // 4, mask=in_range[:, None], other=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride", "window"])     # both vary between steps: no recompiles for them
 def _paged_attention_kernel(
         q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, scale, window, kv_scale_ptr,
@@ -415,6 +416,9 @@ def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tu
     return 64, (4, 2), True
 
 
+ONE_PARTITION = 1 << 30     # PART_TOKENS of an unsplit sequence: more keys than any sequence has
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
@@ -433,7 +437,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     group_pad = max(1, triton.next_power_of_2(group))
     block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
     block_q = max(block_q, triton.cdiv(16, group_pad))                  # tl.dot needs at least 16 rows
-    if part_tokens is None:
+    if num_parts == 1:
+        part_tokens = ONE_PARTITION      # a constexpr: the table's width (it varies between steps) would recompile
+    elif part_tokens is None:
         part_tokens = block_tables.shape[1] * tokens_per_block
     part_tokens = triton.cdiv(part_tokens, tile) * tile
     out = torch.empty_like(q)
@@ -472,10 +478,16 @@ GEMV_SILU = (8,)      # bit widths whose gate_up rows are paired at load, so tha
                       # silu_and_mul kernel); True: every width. int8 +4.4% at batch 1, int4 -6.4% (docs/performance.md)
 GEMV_NORMS = False    # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
                       # they load x (no add_rms_norm kernels; one rank only: kernels/folded.py); read per call, i.e.
-                      # when a CUDA graph is captured. Not yet run on a GPU.
-GEMV_HALF_SCALES = False  # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8). Not yet
-                          # run on a GPU.
-GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES")
+                      # when a CUDA graph is captured. GPU tests pass, but slower: W8A16 338.6 -> 329.8 tok/s,
+                      # W4A16_AWQ 392.6 -> 350.1 (normalizing x in every program costs more than the kernels saved)
+GEMV_HALF_SCALES = False  # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8). GPU tests
+                          # pass; no faster (W4A16_AWQ 392.6 -> 393.8 tok/s, within noise)
+GEMV_MMA = False      # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout: products of ≤ 16
+                      # rows on mma.sync (kernels/int4_mma.py), more rows dequantized for cuBLAS; wins over the pairs
+                      # of GEMV_SILU and the fp16 scales of GEMV_HALF_SCALES, which that kernel does not read. Off:
+                      # its first version was 1.15-1.27x slower than the CUDA-core GEMV at one row (2x faster at 4);
+                      # the second (two chunks in flight per warp, signed levels) has not run on a GPU yet
+GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
 
 
 @dataclass(frozen=True)
@@ -483,9 +495,11 @@ class Interleaved:
     """The GPU's layout of a weight-only layer, made at load and never stored: columns interleaved within 16-byte
     blocks (interleave_weight); paired_rows: a gate/up projection's gate and up rows alternate (pair_gate_up_rows),
     so that each GEMV program holds matching pairs and writes SiLU(gate)·up; half_scales: an int4 layer's group
-    scales and zero points as fp16 pairs, one int32 per group in `weight_scale` (no `weight_zero`)."""
+    scales and zero points as fp16 pairs, one int32 per group in `weight_scale` (no `weight_zero`); fragments: an
+    int4 layer in int4_mma's layout (every other field False)."""
     paired_rows: bool = False
     half_scales: bool = False
+    fragments: bool = False
 
 
 INTERLEAVED = Interleaved()
@@ -535,6 +549,11 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
         return None
     bits = _bits(algo)
     weight = params["weight"]
+    if bits == 4 and _takes_fragments(params):
+        tensors = {"weight": int4_mma.pack(weight), "weight_scale": params["weight_scale"]}
+        if "weight_zero" in params:
+            tensors["weight_zero"] = params["weight_zero"]
+        return Interleaved(fragments=True), tensors
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
     tensors = {"weight": interleave_weight(weight, bits), "weight_scale": params["weight_scale"]}
@@ -548,6 +567,13 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
         tensors["weight_scale"] = half_scale_pairs(tensors["weight_scale"], tensors["weight_zero"])
         tensors["weight_zero"] = None
     return Interleaved(paired_rows=paired, half_scales=half), tensors
+
+
+def _takes_fragments(params: dict) -> bool:
+    weight = params["weight"]
+    return (GEMV_MMA and int4_mma.available(weight.device)
+            and int4_mma.takes((weight.shape[0], weight.shape[1] * 2), params["weight_scale"].reshape(
+                weight.shape[0], -1).shape[1]))
 
 
 FP16_ZERO_LIMIT = 64.0     # below it fp16 holds a zero point to 1/64 of a level (int4 rounding itself: ±1/2)
@@ -892,11 +918,27 @@ def _weight_only_product(x: torch.Tensor, algo: str, params: dict) -> torch.Tens
     interleaved layout, triton_weight_only for more rows or the engine layout."""
     from . import triton_weight_only
 
+    if _fragments(params):
+        return _fragment_product(x, params)
     if _gemv_takes(x, algo, params):
         return _layer_gemv(x, algo, params)
     return triton_weight_only.weight_only_matmul(x, params["weight"], params["weight_scale"],
                                                  params.get("weight_zero"), _bits(algo),
                                                  isinstance(params.get("layout"), Interleaved))
+
+
+def _fragments(params: dict) -> bool:
+    layout = params.get("layout")
+    return isinstance(layout, Interleaved) and layout.fragments
+
+
+def _fragment_product(x: torch.Tensor, params: dict) -> torch.Tensor:
+    """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ 16 rows of bf16/fp16, otherwise the
+    weight dequantized to x's dtype for cuBLAS."""
+    weight, scale, zero = params["weight"], params["weight_scale"], params.get("weight_zero")
+    if x.shape[0] <= int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return int4_mma.gemv(x, weight, scale, zero, _launch())
+    return x @ int4_mma.dequantize(weight, scale, zero, x.dtype).t()
 
 
 def _layer_gemv(x, algo: str, params: dict, **options):
@@ -929,7 +971,9 @@ def quant_linear_before_norm(x: torch.Tensor, algo: str, params: dict, bias: tor
 
 def _gemv_takes(x, algo: str, params: dict) -> bool:
     """Whether the decode GEMV computes this product: a weight-only layer in the interleaved layout, ≤ 4 rows."""
-    return _weight_only(algo) and isinstance(params.get("layout"), Interleaved) and x.shape[0] <= GEMV_MAX_ROWS
+    layout = params.get("layout")
+    return (_weight_only(algo) and isinstance(layout, Interleaved) and not layout.fragments
+            and x.shape[0] <= GEMV_MAX_ROWS)
 
 
 def _applied(x):
