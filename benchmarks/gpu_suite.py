@@ -11,6 +11,7 @@ quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -294,6 +295,39 @@ def _gemv_sweep(bits: int, zero: bool):
     return best
 
 
+@phase
+def int4_mma(args):
+    """int4 g128 with zero points on the 8B shapes, one kernel in a CUDA graph over enough weight copies that L2
+    holds none: the tensor-core product (kernels/int4_mma.py) at 1/4/8/16 rows against the CUDA-core GEMV (its
+    engine configuration, 1 and 4 rows), and the dequantize kernel; µs and TB/s of the bytes each must read."""
+    from kiln.kernels import int4_mma as mma
+    from kiln.kernels import triton_kernels as tk
+    for name, (n, k) in QUANT_SHAPES.items():
+        groups = k // 128
+        nbytes = n * (k // 2 + groups * 8)
+        copies = _copies(nbytes)
+        weights = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+                   for _ in range(copies)]
+        scales = [torch.rand((n, groups), device="cuda") * 1e-2 for _ in range(copies)]
+        zeros = [torch.rand((n, groups), device="cuda") * 15 for _ in range(copies)]
+        result = {}
+        for rows in (1, 4, 8, 16):
+            x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
+            sec = _graph_seconds([lambda w=w, s=s, z=z: mma.gemv(x, w, s, z, tk._launch())
+                                  for w, s, z in zip(weights, scales, zeros)])
+            result[f"mma_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
+            if rows <= 4:
+                sec = _graph_seconds([lambda w=w, s=s, z=z: tk.weight_only_gemv(x, w.view(torch.uint8), s, z, 4)
+                                      for w, s, z in zip(weights, scales, zeros)])
+                result[f"cuda_core_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
+        sec = _graph_seconds([lambda w=w, s=s, z=z: mma.dequantize(w, s, z, torch.bfloat16)
+                              for w, s, z in zip(weights[:2], scales, zeros)])
+        result["dequantize"] = f"{sec * 1e6:.1f}us {(nbytes + n * k * 2) / sec / 1e12:.2f}TB/s"
+        log(f"int4_mma_{name}", result)
+        del weights, scales, zeros
+        torch.cuda.empty_cache()
+
+
 def _fp8_gemms():
     """FP8 products of the 8B shapes at throughput batches: fused activation quantization + torch._scaled_mm
     (row-wise scales), against cuBLAS bf16."""
@@ -559,6 +593,38 @@ def _median_ms(seconds: list[float]) -> float | None:
     return round(1e3 * sorted(seconds)[len(seconds) // 2], 2) if seconds else None
 
 
+@contextlib.contextmanager
+def _stall_watch():
+    """What may stall a measured run: Triton compilations (kernel names), garbage-collector pauses (seconds in
+    all) and the caching allocator's device allocations and retries (a retry frees cached blocks: a sync)."""
+    import gc
+    import triton
+    found = {"compiled": [], "gc_s": 0.0}
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            found["gc_s"] += time.perf_counter() - started.pop()
+
+    def on_compile(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        found["compiled"].append(repr[:400])
+        return None
+    before = torch.cuda.memory_stats()
+    hook, triton.knobs.runtime.jit_cache_hook = triton.knobs.runtime.jit_cache_hook, on_compile
+    gc.callbacks.append(on_gc)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(on_gc)
+        triton.knobs.runtime.jit_cache_hook = hook
+        after = torch.cuda.memory_stats()
+        for name in ("num_alloc_retries", "num_device_alloc", "num_device_free"):
+            found[name] = after.get(name, 0) - before.get(name, 0)
+        found["gc_s"] = round(found["gc_s"], 3)
+
+
 @phase
 def timeline(args):
     """Where a 128/128 throughput run's time goes: every engine step's wall time, by kind (steps with prompt
@@ -593,7 +659,8 @@ def timeline(args):
                               sum(waits[waits_before:])))
                 return advanced
             core.step = timed_step
-            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
+            with _stall_watch() as stalls:
+                outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, 128000), 128)
             core.step = step
         model_runner.Launch.host_tokens = host_tokens
         prompt_steps = [s for s in steps if s[0] > s[1]]
@@ -607,7 +674,7 @@ def timeline(args):
                    "full_decode_step_ms_median": _median_ms([s[2] for s in decode_steps]),
                    "full_decode_wait_ms_median": _median_ms([s[3] for s in decode_steps]),
                    "other_steps_s": round(sum(s[2] for s in steps) - sum(s[2] for s in prompt_steps)
-                                          - sum(s[2] for s in decode_steps), 2)}
+                                          - sum(s[2] for s in decode_steps), 2), **stalls}
         log(f"timeline_{mode}", summary)
         with open(os.path.join(OUT, f"timeline_{mode.replace('+', '_')}.json"), "w") as f:
             json.dump(steps, f)
