@@ -282,6 +282,31 @@ def test_budgets_are_respected():
     check_outputs(requests)
 
 
+def test_reservations_summed_once_a_step_match_a_fresh_sum():
+    """GUARANTEED_NO_EVICT sums the running requests' reserved blocks once a step and adds each admitted request's:
+    at every admission that total equals the sum over the running requests at that moment (several admissions a
+    step, tight pool, samples sharing blocks)."""
+    checked = []
+
+    class Checking(Scheduler):
+        def _fits_reservation(self, request, hits, reserved):
+            bs = self.kv.tokens_per_block
+            fresh = sum(r.max_blocks(bs) - len({b for s in r.seqs for b in s.block_ids}) for r in self.running)
+            assert reserved == fresh, (reserved, fresh)
+            checked.append(len(self.running))
+            return super()._fits_reservation(request, hits, reserved)
+
+    kv = KVCacheManager(40, 16, True)            # room for ~4 worst cases: admissions get refused
+    scheduler, runner = Checking(kv, 8, 512, SchedulerPolicy.GUARANTEED_NO_EVICT, False), FakeRunner(kv)
+    requests = random_requests(30, seed=11, max_prompt=120, max_new=30)
+    requests += [Request(100 + i, list(range(10, 40 + i)), SamplingConfig(max_new_tokens=12, n=2)) for i in range(4)]
+    run(scheduler, runner, {0: requests})
+    for r in requests:
+        assert r.finished
+    assert max(checked) > 1 and len(checked) > len(requests)
+    assert_no_leak(scheduler)
+
+
 def test_scheduler_stack_imports_no_torch():
     """Run this whole file as a script in a fresh interpreter: it asserts torch was never imported."""
     import subprocess
