@@ -79,7 +79,8 @@ def _freeze_live_objects() -> None:
     classes: the bulk of a torch process's heap) out of the collector's generations, so that the full collections
     that run while requests are served walk only what was made since: in a 10.5 s FP8 128/128 throughput run they
     took 0.44 s (benchmarks/gpu_suite.py timeline, `gc_s`), each pause stalling the overlapped steps. Done before
-    the engine loads: an LLM dropped later is still collected (a frozen object never is)."""
+    the engine loads, so that this LLM's own objects stay collectable; `shutdown` unfreezes, so that whatever was
+    alive here and has become garbage since (a frozen object is never collected) goes at the next collection."""
     gc.collect()
     gc.freeze()
 
@@ -309,9 +310,14 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine loop (and the worker ranks); unfinished requests fail with a clear error."""
+        self._stop(unfreeze=True)
+
+    def _stop(self, unfreeze: bool) -> None:
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown()
+            if unfreeze:                        # not from __del__: that may run inside a collection
+                gc.unfreeze()
         workers, parallel = getattr(self, "_workers", None), getattr(self, "_parallel", None)
         self._workers = self._parallel = None
         if parallel is not None and (workers is None or workers.failure() is None):
@@ -333,7 +339,7 @@ class LLM:
         self.shutdown()
 
     def __del__(self):
-        self.shutdown()
+        self._stop(unfreeze=False)
 
 
 def _check_launched_engine(model, world_size: int) -> None:
