@@ -298,8 +298,9 @@ def _gemv_sweep(bits: int, zero: bool):
 @phase
 def int4_mma(args):
     """int4 g128 with zero points on the 8B shapes, one kernel in a CUDA graph over enough weight copies that L2
-    holds none: the tensor-core product (kernels/int4_mma.py) at 1/4/8/16 rows against the CUDA-core GEMV (its
-    engine configuration, 1 and 4 rows), and the dequantize kernel; µs and TB/s of the bytes each must read."""
+    holds none: the tensor-core product (kernels/int4_mma.py) at 1/4/8/16 rows (4, 8 and 16 warps at one row)
+    against the CUDA-core GEMV (its engine configuration, 1 and 4 rows), and the dequantize kernel; µs and TB/s of
+    the bytes each must read."""
     from kiln.kernels import int4_mma as mma
     from kiln.kernels import triton_kernels as tk
     for name, (n, k) in QUANT_SHAPES.items():
@@ -313,9 +314,10 @@ def int4_mma(args):
         result = {}
         for rows in (1, 4, 8, 16):
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
-            sec = _graph_seconds([lambda w=w, s=s, z=z: mma.gemv(x, w, s, z, tk._launch())
-                                  for w, s, z in zip(weights, scales, zeros)])
-            result[f"mma_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
+            for warps in (4, 8, 16) if rows == 1 else (mma.NUM_WARPS,):
+                sec = _graph_seconds([lambda w=w, s=s, z=z: mma.gemv(x, w, s, z, tk._launch(), warps)
+                                      for w, s, z in zip(weights, scales, zeros)])
+                result[f"mma_{rows}_w{warps}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
             if rows <= 4:
                 sec = _graph_seconds([lambda w=w, s=s, z=z: tk.weight_only_gemv(x, w.view(torch.uint8), s, z, 4)
                                       for w, s, z in zip(weights, scales, zeros)])

@@ -225,8 +225,9 @@ if gluon is not None:
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-         launch: dict | None = None) -> torch.Tensor:
-    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack): (rows, N) in x's dtype."""
+         launch: dict | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack): (rows, N) in x's dtype.
+    num_warps: warps sharing a row block's chunks (the GPU suite's int4_mma phase sweeps it)."""
     m, k = x.shape
     n = words.shape[0]
     scale2d = scale.reshape(n, -1)
@@ -234,8 +235,7 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.
     _int4_mma_gemv_kernel[(n // ROW_BLOCK,)](
         x.contiguous(), words, scale2d, scale2d if zero is None else zero, out, m, n, k, scale2d.shape[1],
         HAS_ZERO=zero is not None, GROUPED=scale2d.shape[1] > 1, FP16=x.dtype == torch.float16,
-        XGROUPS=triton.cdiv(m, 8), NW=NUM_WARPS,
-        num_warps=NUM_WARPS, **(launch or {"PDL": False}))
+        XGROUPS=triton.cdiv(m, 8), NW=num_warps, num_warps=num_warps, **(launch or {"PDL": False}))
     return out
 
 
