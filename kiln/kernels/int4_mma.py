@@ -1,4 +1,4 @@
-"""int4 weights in the tensor cores' fragment layout: packing, the decode product (≤ 8 rows of x) on mma.sync, and
+"""int4 weights in the tensor cores' fragment layout: packing, the decode product (≤ 16 rows of x) on mma.sync, and
 a dequantize kernel for the products of more rows.
 
 Why: the CUDA-core decode GEMV (triton_kernels._weight_only_gemv_kernel) spends ~3.3 instructions per int4 value
