@@ -62,12 +62,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """Engine int4 (uint8 (N, K/2), low nibble = even column) → fragment-layout words, int32 (N, K/8)."""
     from .quant import unpack_int4
 
-    levels = unpack_int4(weight).to(torch.int64)
+    levels = unpack_int4(weight).to(torch.int32)
     n, k = levels.shape
     nibbles = _fragment_view(levels).reshape(-1, 8)
-    shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int64)
-    words = (nibbles << shifts).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k // 8)
+    shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int32)
+    # disjoint bit fields: their int32 sum (wrapping at the top nibble) is their bitwise OR
+    return (nibbles << shifts).sum(dim=1, dtype=torch.int32).reshape(n, k // 8)
 
 
 def unpack(words: torch.Tensor) -> torch.Tensor:
