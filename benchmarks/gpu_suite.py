@@ -597,8 +597,8 @@ def _median_ms(seconds: list[float]) -> float | None:
 
 @contextlib.contextmanager
 def _stall_watch():
-    """What may stall a measured run: Triton compilations (kernel names), garbage-collector pauses (seconds in
-    all) and the caching allocator's device allocations and retries (a retry frees cached blocks: a sync)."""
+    """What may stall a measured run: Triton compilations (kernel and specialization), garbage-collector pauses
+    (seconds in all) and the caching allocator's device allocations and retries (a retry frees cached blocks)."""
     import gc
     import triton
     found = {"compiled": [], "gc_s": 0.0}

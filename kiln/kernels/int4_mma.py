@@ -223,23 +223,6 @@ if gluon is not None:
         if XGROUPS > 1:
             _store_columns(out_ptr, b00, b01, b10, b11, rb, 8, M, N, L)
 
-
-def gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-         launch: dict | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack): (rows, N) in x's dtype.
-    num_warps: warps sharing a row block's chunks (the GPU suite's int4_mma phase sweeps it)."""
-    m, k = x.shape
-    n = words.shape[0]
-    scale2d = scale.reshape(n, -1)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _int4_mma_gemv_kernel[(n // ROW_BLOCK,)](
-        x.contiguous(), words, scale2d, scale2d if zero is None else zero, out, m, n, k, scale2d.shape[1],
-        HAS_ZERO=zero is not None, GROUPED=scale2d.shape[1] > 1, FP16=x.dtype == torch.float16,
-        XGROUPS=triton.cdiv(m, 8), NW=num_warps, num_warps=num_warps, **(launch or {"PDL": False}))
-    return out
-
-
-if gluon is not None:
     @triton.jit
     def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, K, GROUPS, HAS_ZERO: tl.constexpr,
                            GROUPED: tl.constexpr, BLOCK: tl.constexpr):
@@ -265,6 +248,20 @@ if gluon is not None:
             both = tl.join((lo - z) * s, (hi - z) * s).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + (row * K + col)[:, None] + tl.arange(0, 2)[None, :], both)
 
+
+def gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+         launch: dict | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack): (rows, N) in x's dtype.
+    num_warps: warps sharing a row block's chunks (the GPU suite's int4_mma phase sweeps it)."""
+    m, k = x.shape
+    n = words.shape[0]
+    scale2d = scale.reshape(n, -1)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _int4_mma_gemv_kernel[(n // ROW_BLOCK,)](
+        x.contiguous(), words, scale2d, scale2d if zero is None else zero, out, m, n, k, scale2d.shape[1],
+        HAS_ZERO=zero is not None, GROUPED=scale2d.shape[1] > 1, FP16=x.dtype == torch.float16,
+        XGROUPS=triton.cdiv(m, 8), NW=num_warps, num_warps=num_warps, **(launch or {"PDL": False}))
+    return out
 
 
 def dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

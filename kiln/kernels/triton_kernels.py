@@ -473,7 +473,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 #
 # Fusions of the decode GEMV, each a switch read when a network is loaded (benchmarks/gpu_suite.py's decode_fusions
 # phase flips them between loads to measure each off and on; docs/quantization.md). Defaults follow the H200
-# measurements; the two not yet run on a GPU (interpreter-tested only) are off until they are.
+# measurements; a switch not yet measured on a GPU stays off until it is.
 GEMV_SILU = (8,)      # bit widths whose gate_up rows are paired at load, so that the GEMV writes SiLU(gate)·up (no
                       # silu_and_mul kernel); True: every width. int8 +4.4% at batch 1, int4 -6.4% (docs/performance.md)
 GEMV_NORMS = False    # o/down GEMVs add the residual and sum its squares; qkv/gate_up GEMVs apply the RMSNorm as
@@ -549,16 +549,12 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
         return None
     bits = _bits(algo)
     weight = params["weight"]
+    grid = {name: params[name] for name in ("weight_scale", "weight_zero") if name in params}
     if bits == 4 and _takes_fragments(params):
-        tensors = {"weight": int4_mma.pack(weight), "weight_scale": params["weight_scale"]}
-        if "weight_zero" in params:
-            tensors["weight_zero"] = params["weight_zero"]
-        return Interleaved(fragments=True), tensors
+        return Interleaved(fragments=True), {"weight": int4_mma.pack(weight), **grid}
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
-    tensors = {"weight": interleave_weight(weight, bits), "weight_scale": params["weight_scale"]}
-    if "weight_zero" in params:
-        tensors["weight_zero"] = params["weight_zero"]
+    tensors = {"weight": interleave_weight(weight, bits), **grid}
     paired = gated and (GEMV_SILU is True or bits in (GEMV_SILU or ()))
     if paired:
         tensors = {name: pair_gate_up_rows(t) for name, t in tensors.items()}

@@ -104,10 +104,9 @@ class Scheduler:
             budget -= admitted
             if reserved is not None:
                 reserved += self._reservation(self.running[-1])
-        tokens = out.num_tokens
         self.stats.steps += bool(out)
-        self.stats.last_step_tokens = tokens
-        self.stats.scheduled_tokens += tokens
+        self.stats.last_step_tokens = out.num_tokens
+        self.stats.scheduled_tokens += out.num_tokens
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -173,8 +172,7 @@ class Scheduler:
 
     def _reservation(self, request: Request) -> int:
         """Blocks a running request may still take: its worst case less the distinct blocks it holds."""
-        seqs = request.seqs
-        held = len(seqs[0].block_ids) if len(seqs) == 1 else len({b for s in seqs for b in s.block_ids})
+        held = len({b for s in request.seqs for b in s.block_ids})
         return request.max_blocks(self.kv.tokens_per_block) - held
 
     def _fits_reservation(self, request: Request, hits: list[list[int]], reserved: int) -> bool:
