@@ -560,13 +560,13 @@ def attn_sweep(args):
             q, caches, tables, lens, starts, scale = _decode_attention_case(batch, context, kv_dtype, layers=6)
             nbytes = int(lens.sum()) * 8 * 128 * 2 * kv_dtype.itemsize
             times, reference = {}, None
-            for config in ATTN_SWEEP:
+            for config in ATTN_SWEEP + [(0, 1, 0, True)]:        # the last: the mma.sync kernel (8-bit caches)
                 tile, warps, stages, words = config
-                if not words and kv_dtype == torch.bfloat16:
+                if kv_dtype == torch.bfloat16 and (not words or not tile):
                     continue
                 run = lambda c, t=tile, w=warps, st=stages, wl=words: tk.paged_attention(  # noqa: E731
-                    q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t, kv_scale=scale, launch=(w, st),
-                    word_loads=wl)
+                    q, c, tables, lens, starts, 1, 128 ** -0.5, None, tile=t or None, kv_scale=scale,
+                    launch=(w, st) if t else None, word_loads=wl, mma=not t)
                 try:
                     out = run(caches[0])
                     if reference is None:

@@ -447,6 +447,33 @@ def _same_greedy_tokens_up_to_ties(cpu, gpu, tie: float = 1e-2) -> None:
 
 
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
+@pytest.mark.parametrize("dim, heads, kv_heads", [(128, 32, 8), (128, 28, 4), (128, 8, 8), (64, 64, 8), (64, 9, 3)])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
+    """The mma.sync decode kernel over an 8-bit cache against the float reference and the Triton kernel: one query
+    token per sequence, windows, split-K partitions, and a padded row (no query token, as CUDA graphs add)."""
+    from kiln.kernels import mma_decode_attention, triton_kernels as tk
+
+    dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
+    assert mma_decode_attention.takes(dtype, dim, heads // kv_heads, block)
+    seqs = [(0, 1), (36, 1), (1000, 1), (4098, 1), (127, 1), (15, 1)]
+    q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+    cache = (cache.float() * 20).clamp(-100, 100).to(dtype) if kv == "INT8" else (cache.float() * 50).to(dtype)
+    kv_scale = torch.tensor([0.05, 0.03], device=CUDA)
+    starts = torch.cat([meta.query_start_loc, meta.query_start_loc[-1:]])       # one more sequence, no token
+    seq_lens = torch.cat([meta.seq_lens, meta.seq_lens[:1]])
+    tables = torch.cat([meta.block_tables, meta.block_tables[:1]])
+    for window in (None, 100):
+        ref = reference.paged_attention(q.float(), cache, meta, dim ** -0.5, window, kv_scale)
+        for parts in (1, 3):
+            part_tokens = None if parts == 1 else -(-tables.shape[1] * block // parts)
+            outs = [tk.paged_attention(q, cache, tables, seq_lens, starts, 1, dim ** -0.5, window, num_parts=parts,
+                                       part_tokens=part_tokens, kv_scale=kv_scale, mma=mma) for mma in (True, False)]
+            assert rel_err(outs[0], ref) < 1e-2, (window, parts)
+            assert rel_err(outs[0], outs[1]) < 1e-2, (window, parts)
+
+
+@pytest.mark.parametrize("kv", ["INT8", "FP8"])
 def test_quantized_kv_cache_kernels(kv):
     from kiln.kernels import triton_kernels as tk
 

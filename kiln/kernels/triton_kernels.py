@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import int4_mma
+from . import int4_mma, mma_decode_attention
 from .folded import DeferredNorm, ResidualSum
 from .quant import Fp8Rows
 from .triton_weight_only import half_scale_pairs, has_half_scales, load_scale_zero
@@ -417,17 +417,19 @@ def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tu
 
 
 ONE_PARTITION = 1 << 30     # PART_TOKENS of an unsplit sequence: more keys than any sequence has
+DECODE_MMA = True           # decode steps over an e4m3/int8 cache on mma.sync (kernels/mma_decode_attention.py)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, launch: tuple[int, int] | None = None,
-                    word_loads: bool | None = None) -> torch.Tensor:
+                    word_loads: bool | None = None, mma: bool | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
-    tile (keys per iteration), launch (num_warps, num_stages) and word_loads default to attention_config's choice."""
+    tile (keys per iteration), launch (num_warps, num_stages) and word_loads default to attention_config's choice.
+    mma (default DECODE_MMA): a decode step over an 8-bit cache goes to mma_decode_attention where it takes it."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words = attention_config(max_query_len, kv_cache.dtype)
@@ -449,13 +451,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_acc = torch.empty((tokens * heads * num_parts, dim), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out
-    grid = (seq_lens.shape[0], kv_heads, triton.cdiv(max_query_len, block_q) * num_parts)
-    _paged_attention_kernel[grid](
-        q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
-        part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
-        DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
-        NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
-        WORD_LOADS=word_loads, num_warps=num_warps, num_stages=num_stages, **_launch())
+    if ((DECODE_MMA if mma is None else mma) and max_query_len == 1 and kv_scale is not None
+            and mma_decode_attention.takes(kv_cache.dtype, dim, group, tokens_per_block)
+            and mma_decode_attention.available(q.device)):
+        mma_decode_attention.decode_attention(
+            q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, kv_scale, out,
+            (part_m, part_l, part_acc) if num_parts > 1 else None, num_parts, part_tokens, _launch())
+    else:
+        grid = (seq_lens.shape[0], kv_heads, triton.cdiv(max_query_len, block_q) * num_parts)
+        _paged_attention_kernel[grid](
+            q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
+            part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale,
+            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
+            NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
+            WORD_LOADS=word_loads, num_warps=num_warps, num_stages=num_stages, **_launch())
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4,
