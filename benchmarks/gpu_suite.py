@@ -591,6 +591,40 @@ def attn_sweep(args):
             torch.cuda.empty_cache()
 
 
+@phase
+def attn_small(args):
+    """Decode attention over an e4m3 cache at small batches, each kernel with its own split-K partitions
+    (model_runner.decode_partitions): the mma.sync kernel (one warp a program) against the Triton kernel; then
+    batch-1 decode of the 8B shape with an FP8 KV cache (bf16 weights), mma on and off."""
+    from kiln.kernels import triton_kernels as tk
+    from kiln.runtime.model_runner import decode_partitions
+    for batch, keys in [(1, 256), (1, 2048), (8, 512), (8, 4096), (32, 1024), (64, 256), (128, 2048)]:
+        q, caches, tables, lens, starts, scale = _decode_attention_case(batch, (keys, keys), torch.float8_e4m3fn,
+                                                                        layers=6)
+        nbytes = int(lens.sum()) * 8 * 128 * 2
+        times, outs = {}, {}
+        for mma in (True, False):
+            parts, part = decode_partitions(batch * 8, tables.shape[1] * 32, mma)
+            run = lambda c, m=mma, n=parts, pt=part: tk.paged_attention(  # noqa: E731
+                q, c, tables, lens, starts, 1, 128 ** -0.5, None, num_parts=n, part_tokens=pt, kv_scale=scale, mma=m)
+            outs[mma] = run(caches[0]).float()
+            times[mma] = (_graph_seconds([lambda c=c: run(c) for c in caches]), parts)
+        err = ((outs[True] - outs[False]).norm() / outs[False].norm()).item()
+        log(f"attn_small_b{batch}_keys{keys}", " | ".join(
+            f"{'mma' if m else 'triton'} {t * 1e6:.1f}us {nbytes / t / 1e12:.2f}TB/s parts {n}"
+            for m, (t, n) in times.items()) + f" | err {err:.1e}")
+        del caches
+    from kiln.config import QuantConfig
+    build = bench.default_bench_build("latency", 128, 128, 1)
+    engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=QuantConfig(kv_cache_quant_algo="FP8"))
+    for mma in (True, False):
+        tk.DECODE_MMA = mma
+        log(f"attn_small_bs1_fp8kv_{'mma' if mma else 'triton'}_tok_s", _engine_decode_tok_s(engine, None, 128))
+    tk.DECODE_MMA = True
+    del engine
+    torch.cuda.empty_cache()
+
+
 def _median_ms(seconds: list[float]) -> float | None:
     return round(1e3 * sorted(seconds)[len(seconds) // 2], 2) if seconds else None
 

@@ -86,3 +86,8 @@ def test_bench_throughput_runs_on_the_cpu_with_few_new_tokens(capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_requests"] == 3 and result["output_tokens"] == 6
+
+
+def test_bench_quantize_lm_head_needs_a_quant_algo(capsys):
+    assert main(["bench", "throughput", "--model", "smollm2-135m", "--device", "cpu", "--quantize_lm_head"]) == 2
+    assert "--quantize_lm_head needs --quant_algo" in capsys.readouterr().err

@@ -342,3 +342,24 @@ def test_decoding_mode_and_request_limits(llama):
         LLM(model, build_config=BuildConfig(max_input_len=64, max_seq_len=128, max_num_tokens=32), quiet=True)
     with pytest.raises(ValueError, match="enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT"):
         LLM(model, enable_trt_overlap=True, scheduling_policy=SchedulerPolicy.MAX_UTILIZATION, quiet=True)
+
+
+def test_decode_partitions_fill_the_gpu():
+    """Split-K partitions: the Triton kernel's (four warps a program) split only few or long sequences, at 512
+    keys; one-warp programs (mma.sync over an 8-bit cache) split small batches into partitions of ≥ 64 keys so that
+    ~BUSY_WARPS programs run, and long sequences at 512."""
+    from kiln.runtime.model_runner import decode_partitions
+
+    assert decode_partitions(512 * 8, 256, False) == (1, None)
+    assert decode_partitions(8, 4096, False) == (8, 512)
+    assert decode_partitions(256 * 8, 2048, False) == (4, 512)
+    assert decode_partitions(8, 400, False) == (1, None)
+    assert decode_partitions(512 * 8, 256, True) == (1, None)
+    assert decode_partitions(8, 1024, True) == (16, 64)            # one sequence: 16 partitions of 64 keys
+    assert decode_partitions(32 * 8, 1024, True) == (8, 128)       # ceil(1024·256 / 2048) = 128 keys
+    assert decode_partitions(256 * 8, 2048, True) == (4, 512)
+    assert decode_partitions(8, 64, True) == (1, None)
+    for programs in (1, 8, 100, 1000, 3000):
+        for keys in (1, 63, 65, 700, 5000, 100000):
+            parts, part = decode_partitions(programs, keys, True)
+            assert parts == 1 or (part % 16 == 0 and (parts - 1) * part < keys <= parts * part)

@@ -81,6 +81,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     p.add_argument("--quant_algo", help="with --model: quantize the random weights (W8A16, W4A16_AWQ, FP8, ...)")
     p.add_argument("--kv_cache_quant_algo", help="with --model: INT8 or FP8 KV cache")
+    p.add_argument("--quantize_lm_head", action="store_true", help="with --model and --quant_algo: the LM head too")
     p.add_argument("--num_requests", type=int, default=512, help="throughput: requests (latency: iterations)")
     p.add_argument("--input_len", type=int, default=128)
     p.add_argument("--output_len", type=int, default=128)
@@ -408,7 +409,10 @@ def cmd_bench(args) -> None:
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
         build_config.plugin_config.use_custom_all_reduce = args.use_custom_all_reduce
-        quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo)
+        if args.quantize_lm_head and not args.quant_algo:
+            raise ValueError("--quantize_lm_head needs --quant_algo (the LM head is quantized like the other layers)")
+        quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo,
+                                   exclude_modules=[] if args.quantize_lm_head else ["lm_head"])
         engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config,
                                      tp_size=args.tp_size, pp_size=args.pp_size)
         name, dtype = args.model, args.dtype

@@ -3,6 +3,7 @@ graph for one-token steps on a GPU), keeps each finished sequence's last logits 
 and samples — greedy requests in one batched argmax, with one device-to-host copy per step."""
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -22,6 +23,28 @@ from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program covers this many keys
 BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
 LONG_CONTEXT = 1024      # decode batches with longer sequences use the split-K variant whatever their size
+BUSY_WARPS = 2048        # one-warp decode programs (an 8-bit cache on mma.sync): ~16 per multiprocessor
+MIN_PARTITION = 64       # keys of the shortest one-warp partition (four 16-key steps)
+
+
+def decode_partitions(programs: int, max_keys: int, one_warp: bool) -> tuple[int, int | None]:
+    """Split-K partitions (num_parts, part_tokens) of decode attention with `programs` (sequence, KV head) pairs
+    over up to max_keys keys: when the pairs alone leave the GPU idle, or when sequences are long enough that one
+    program per pair would stream its keys too slowly. One-warp programs (one_warp) need ~8× more of them to fill
+    the GPU, so their partitions shrink to MIN_PARTITION keys for small batches."""
+    if one_warp:
+        if max_keys <= MIN_PARTITION or (programs >= BUSY_WARPS and max_keys <= LONG_CONTEXT):
+            return 1, None
+        part = PARTITION_TOKENS
+        if programs < BUSY_WARPS:
+            wanted = -(-max_keys * programs // BUSY_WARPS)                 # keys per partition for BUSY_WARPS
+            part = min(PARTITION_TOKENS, max(MIN_PARTITION, -(-wanted // 16) * 16))
+    else:
+        if max_keys <= PARTITION_TOKENS or not (programs < BUSY_PROGRAMS or max_keys > LONG_CONTEXT):
+            return 1, None
+        part = PARTITION_TOKENS
+    parts = -(-max_keys // part)
+    return (1, None) if parts == 1 else (parts, part)
 
 
 @dataclass
@@ -132,12 +155,20 @@ class ModelRunner:
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
-        """Split-K partitions for decode attention: when the batch alone leaves the GPU idle, or when sequences
-        are long enough that one program per sequence would stream its keys too slowly."""
-        few = batch * self.config.num_key_value_heads < BUSY_PROGRAMS
-        if not self.multi_block_mode or max_keys <= PARTITION_TOKENS or not (few or max_keys > LONG_CONTEXT):
+        """Split-K partitions for a decode step of `batch` sequences (decode_partitions)."""
+        if not self.multi_block_mode:
             return 1, None
-        return -(-max_keys // PARTITION_TOKENS), PARTITION_TOKENS
+        return decode_partitions(batch * self.net.dims.kv_heads, max_keys, self._one_warp_decode)
+
+    @functools.cached_property
+    def _one_warp_decode(self) -> bool:
+        """Decode attention runs one warp per program (the mma.sync kernel over an 8-bit cache)."""
+        if self.device.type != "cuda" or self.net.ops.name != "triton":
+            return False
+        from kiln.kernels import triton_kernels
+        dims = self.net.dims
+        return triton_kernels.decode_mma(self.kv_dtype, self.config.head_dim, dims.heads // dims.kv_heads,
+                                         self.tokens_per_block, self.device)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
