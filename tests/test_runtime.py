@@ -363,3 +363,21 @@ def test_decode_partitions_fill_the_gpu():
         for keys in (1, 63, 65, 700, 5000, 100000):
             parts, part = decode_partitions(programs, keys, True)
             assert parts == 1 or (part % 16 == 0 and (parts - 1) * part < keys <= parts * part)
+
+
+def test_gc_threshold_is_raised_while_serving_and_restored(llama):
+    """garbage_collection_gen0_threshold (TensorRT-LLM's option): Python's gen-0 threshold while the LLM serves,
+    the previous one back after shutdown; a threshold below 1 is rejected before anything loads."""
+    import gc
+
+    model, _ = llama
+    before = gc.get_threshold()
+    with _llm(model, garbage_collection_gen0_threshold=12345) as llm:
+        assert gc.get_threshold() == (12345, *before[1:])
+        assert llm.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2))[0].outputs[0].token_ids
+    assert gc.get_threshold() == before
+    with _llm(model, garbage_collection_gen0_threshold=None):
+        assert gc.get_threshold() == before
+    with pytest.raises(ValueError, match="garbage_collection_gen0_threshold=0"):
+        _llm(model, garbage_collection_gen0_threshold=0)
+    assert gc.get_threshold() == before
