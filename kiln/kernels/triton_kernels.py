@@ -499,8 +499,9 @@ GEMV_NORMS = False    # o/down GEMVs add the residual and sum its squares; qkv/g
                       # they load x (no add_rms_norm kernels; one rank only: kernels/folded.py); read per call, i.e.
                       # when a CUDA graph is captured. GPU tests pass, but slower: W8A16 338.6 -> 329.8 tok/s,
                       # W4A16_AWQ 392.6 -> 350.1 (normalizing x in every program costs more than the kernels saved)
-GEMV_HALF_SCALES = False  # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8). GPU tests
-                          # pass; no faster (W4A16_AWQ 392.6 -> 393.8 tok/s, within noise)
+GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8) where fp16
+                          # holds them. GPU tests pass; never slower in three H200 runs: W4A16_AWQ 392.6 -> 393.8,
+                          # 371.4 -> 403.2, 392.7 -> 400.6 tok/s (docs/performance.md, sixth session)
 GEMV_MMA = False      # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout: products of ≤ 16
                       # rows on mma.sync (kernels/int4_mma.py), more rows dequantized for cuBLAS; wins over the pairs
                       # of GEMV_SILU and the fp16 scales of GEMV_HALF_SCALES, which that kernel does not read. Off:
