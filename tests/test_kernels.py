@@ -155,3 +155,24 @@ def test_every_pdl_kernel_waits_for_its_inputs():
     assert len(kernels) >= 8
     for kernel in kernels:
         assert "_wait_for_inputs(PDL)" in kernel.src, kernel.__name__
+
+
+def test_mma_decode_attention_ptx_operands_and_coverage():
+    """The mma.sync decode kernel's inline PTX (built by functions, one per cache type) names exactly the operands
+    its constraint strings declare, and the kernel takes exactly the decode steps it was written for (e4m3/int8
+    caches, head dims 64/128, ≤ 8 query heads per KV head, blocks of whole 16-key chunks; never on a CPU)."""
+    import re
+
+    from kiln.kernels import mma_decode_attention as mda
+
+    for int8 in (False, True):
+        for asm, operands in ((mda._score_asm(int8), 4 + 16), (mda._value_asm(int8), 8 + 14)):
+            used = {int(n) for n in re.findall(r"\$(\d+)", asm)}
+            assert used == set(range(operands)), (int8, sorted(set(range(operands)) ^ used))
+            assert asm.count("mma.sync") == (4 if operands == 20 else 2)
+        assert ("cvt.rn.f16x2.e4m3x2" in mda._score_asm(int8)) is not int8
+    assert mda.takes(torch.float8_e4m3fn, 128, 4, 32) and mda.takes(torch.int8, 64, 8, 16)
+    for args in ((torch.bfloat16, 128, 4, 32), (torch.float8_e4m3fn, 256, 4, 32), (torch.int8, 128, 16, 32),
+                 (torch.float8_e4m3fn, 128, 4, 8), (torch.float8_e5m2, 128, 4, 32)):
+        assert not mda.takes(*args), args
+    assert not mda.available("cpu")

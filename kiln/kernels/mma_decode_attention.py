@@ -188,6 +188,90 @@ if gluon is not None:
         gl.store(at, (gl.convert_layout(vals, LO) * f).to(at.dtype.element_ty), mask=ok)
 
     @gluon.jit
+    def _query(q_ptr, head0, LC: gl.constexpr, GROUP: gl.constexpr, DIM: gl.constexpr):
+        """This lane's key offsets (words of dims off(c, t) … + 3), its key rows g, and head g's B fragments of
+        the scores (dims 2t, 2t + 1 and 2t + 8, 2t + 9 of every chunk: quarters of (32, DIM/16) fp16 pairs)."""
+        NC: gl.constexpr = DIM // 16
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LC)), 1)     # (32, 1)
+        c = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, LC)), 0)
+        gk = lane // 4
+        k_off = (c // 4) * 16 + 4 * (lane % 4) + c % 4
+        at = q_ptr + (head0 + gk) * DIM + 4 * k_off
+        ok = (gk < GROUP) & (c >= 0)
+        qa = _quarters(_pack(gl.load(at, mask=ok, other=0.0).to(gl.float32),
+                             gl.load(at + 1, mask=ok, other=0.0).to(gl.float32)))
+        qb = _quarters(_pack(gl.load(at + 2, mask=ok, other=0.0).to(gl.float32),
+                             gl.load(at + 3, mask=ok, other=0.0).to(gl.float32)))
+        return k_off, gk, qa, qb
+
+    @gluon.jit
+    def _softmax_step(s0, s1, s2, s3, m_a, m_b, l_a, l_b):
+        """Online softmax over one chunk's scores (keys g, g + 8 × heads 2t = a, 2t + 1 = b): the probabilities,
+        the factors that rescale what came before, and the updated maxima and sums (this lane's keys only)."""
+        new_a = gl.maximum(m_a, _over_keys_max(gl.maximum(s0, s2)))
+        new_b = gl.maximum(m_b, _over_keys_max(gl.maximum(s1, s3)))
+        safe_a = gl.where(new_a == float("-inf"), 0.0, new_a)
+        safe_b = gl.where(new_b == float("-inf"), 0.0, new_b)
+        alpha_a = gl.exp2(m_a - safe_a)
+        alpha_b = gl.exp2(m_b - safe_b)
+        p0 = gl.exp2(s0 - safe_a)
+        p1 = gl.exp2(s1 - safe_b)
+        p2 = gl.exp2(s2 - safe_a)
+        p3 = gl.exp2(s3 - safe_b)
+        return p0, p1, p2, p3, alpha_a, alpha_b, new_a, new_b, l_a * alpha_a + p0 + p2, l_b * alpha_b + p1 + p3
+
+    @gluon.jit
+    def _accumulate(v0, v1, v2, v3, p0, p1, p2, p3, alpha_a, alpha_b, o0, o1, o2, o3, o4, o5, o6, o7,
+                    SW: gl.constexpr, INT8: gl.constexpr):
+        """Oᵀ = alpha·Oᵀ + Vᵀ·Pᵀ for one chunk: P transposed into B fragments, each value word pair one mma per
+        output tile (o0..o3: tile 2w, o4..o7: tile 2w + 1; even: head 2t, odd: head 2t + 1)."""
+        if INT8:
+            asm: gl.constexpr = _VALUE_INT8
+        else:
+            asm: gl.constexpr = _VALUE_E4M3
+        pt01 = gl.expand_dims(gl.convert_layout(_pack_transposed(p0, p1), SW, assert_trivial=True), 1)
+        pt23 = gl.expand_dims(gl.convert_layout(_pack_transposed(p2, p3), SW, assert_trivial=True), 1)
+        fa = gl.expand_dims(gl.convert_layout(alpha_a, SW, assert_trivial=True), 1)
+        fb = gl.expand_dims(gl.convert_layout(alpha_b, SW, assert_trivial=True), 1)
+        return gl.inline_asm_elementwise(
+            asm, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,f,f,f,f",
+            [v0, v1, v2, v3, pt01, pt23, o0 * fa, o1 * fb, o2 * fa, o3 * fb, o4 * fa, o5 * fb, o6 * fa, o7 * fb],
+            dtype=(gl.float32,) * 8, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _finish(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, head0, part, m_a, m_b, l_a, l_b, v_scale,
+                o0, o1, o2, o3, o4, o5, o6, o7, SC: gl.constexpr, LO: gl.constexpr, GROUP: gl.constexpr,
+                DIM: gl.constexpr, NUM_PARTS: gl.constexpr):
+        """The normalized output of this lane's heads (2t, 2t + 1) at its DIM/8 dims, or the partition's (m, l,
+        unnormalized acc) for _merge_kernel."""
+        LOG2E: gl.constexpr = 1.4426950408889634
+        l_a = _over_keys_sum(l_a)
+        l_b = _over_keys_sum(l_b)
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)
+        d = gl.expand_dims(gl.arange(0, DIM // 8, layout=gl.SliceLayout(0, LO)), 0)
+        head_a = 2 * (lane % 4)                                            # this lane's heads: head_a, head_a + 1
+        dims = (lane // 4) * (DIM // 8) + d
+        ok_a = (head_a < GROUP) & (d >= 0)
+        ok_b = (head_a + 1 < GROUP) & (d >= 0)
+        if NUM_PARTS == 1:
+            at = out_ptr + (head0 + head_a) * DIM + dims
+            _store_head(at, o0, o2, o4, o6, v_scale / gl.where(l_a == 0.0, 1.0, l_a), ok_a, LO)
+            _store_head(at + DIM, o1, o3, o5, o7, v_scale / gl.where(l_b == 0.0, 1.0, l_b), ok_b, LO)
+        else:
+            lane_c = gl.arange(0, 32, layout=SC)
+            g = lane_c // 4
+            t = lane_c % 4
+            idx = (head0 + 2 * t) * NUM_PARTS + part                       # stored by the lanes of g = 0
+            gl.store(part_m_ptr + idx, m_a / LOG2E, mask=(2 * t < GROUP) & (g == 0))
+            gl.store(part_l_ptr + idx, l_a, mask=(2 * t < GROUP) & (g == 0))
+            gl.store(part_m_ptr + idx + NUM_PARTS, m_b / LOG2E, mask=(2 * t + 1 < GROUP) & (g == 0))
+            gl.store(part_l_ptr + idx + NUM_PARTS, l_b, mask=(2 * t + 1 < GROUP) & (g == 0))
+            at = part_acc_ptr + ((head0 + head_a) * NUM_PARTS + part) * DIM + dims
+            v = gl.full([32], 1.0, gl.float32, SC) * v_scale
+            _store_head(at, o0, o2, o4, o6, v, ok_a, LO)
+            _store_head(at + NUM_PARTS * DIM, o1, o3, o5, o7, v, ok_b, LO)
+
+    @gluon.jit
     def _mma_decode_kernel(q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr,
                            out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale, window, kv_scale_ptr,
                            KV_HEADS: gl.constexpr, GROUP: gl.constexpr, DIM: gl.constexpr,
@@ -195,16 +279,13 @@ if gluon is not None:
                            INT8: gl.constexpr, PDL: gl.constexpr):
         """One warp: the query token of one sequence × the GROUP heads of one KV head, over the keys of one
         partition, 16 at a time (the next chunk's loads in flight while one is multiplied)."""
-        NC: gl.constexpr = DIM // 16                                      # dim chunks of the scores
         W: gl.constexpr = DIM // 32                                       # words of a value row per lane
-        LC: gl.constexpr = gl.BlockedLayout([1, NC], [32, 1], [1, 1], [1, 0])
+        LC: gl.constexpr = gl.BlockedLayout([1, DIM // 16], [32, 1], [1, 1], [1, 0])
         LW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [1, 1], [1, 0])
         LO: gl.constexpr = gl.BlockedLayout([1, 4 * W], [32, 1], [1, 1], [1, 0])
         SC: gl.constexpr = gl.SliceLayout(1, LC)
         SW: gl.constexpr = gl.SliceLayout(1, LW)
-        LOG2E: gl.constexpr = 1.4426950408889634
         ROW_WORDS: gl.constexpr = KV_HEADS * DIM // 4
-        HEADS: gl.constexpr = KV_HEADS * GROUP
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
@@ -221,31 +302,17 @@ if gluon is not None:
         lowest = seq_len - window                                          # window: keys from here on
         if window > 0:
             first = gl.maximum(first, (gl.maximum(lowest, 0) // 16) * 16)
-        head0 = q_start.to(gl.int64) * HEADS + kv_head * GROUP             # this KV head's first query row
-
-        lane_c = gl.expand_dims(gl.arange(0, 32, layout=SC), 1)            # (32, 1) in LC
-        c = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, LC)), 0)
-        gk = lane_c // 4
-        k_off = (c // 4) * 16 + 4 * (lane_c % 4) + c % 4                  # words: dims off(c, t) … + 3
-        q_at = q_ptr + (head0 + gk) * DIM + 4 * k_off
-        q_ok = (gk < GROUP) & (c >= 0)
-        qa = _quarters(_pack(gl.load(q_at, mask=q_ok, other=0.0).to(gl.float32),   # head g's B fragment: dims
-                             gl.load(q_at + 1, mask=q_ok, other=0.0).to(gl.float32)))  # 2t, 2t + 1
-        qb = _quarters(_pack(gl.load(q_at + 2, mask=q_ok, other=0.0).to(gl.float32),  # 2t + 8, 2t + 9
-                             gl.load(q_at + 3, mask=q_ok, other=0.0).to(gl.float32)))
+        head0 = q_start.to(gl.int64) * (KV_HEADS * GROUP) + kv_head * GROUP   # this KV head's first query row
+        k_off, gk, qa, qb = _query(q_ptr, head0, LC, GROUP, DIM)
 
         lane_w = gl.expand_dims(gl.arange(0, 32, layout=SW), 1)            # (32, 1) in LW
-        w = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, LW)), 0)
         tv = lane_w % 4
-        v_off = cache_half // 4 + (lane_w // 4) * W + w
+        v_off = cache_half // 4 + (lane_w // 4) * W + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, LW)), 0)
         cache_words = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         table = block_tables_ptr + seq.to(gl.int64) * bt_stride
         kv_row = kv_head * (DIM // 4)
-
-        lane = gl.arange(0, 32, layout=SC)
-        g = lane // 4
-        t = lane % 4
-        scale2 = scale * gl.load(kv_scale_ptr) * LOG2E                     # scores in base-2 exponent units
+        g = gl.arange(0, 32, layout=SC) // 4
+        scale2 = scale * gl.load(kv_scale_ptr) * 1.4426950408889634        # scores in base-2 exponent units
         m_a = gl.full([32], float("-inf"), gl.float32, SC)                 # head 2t
         m_b = gl.full([32], float("-inf"), gl.float32, SC)                 # head 2t + 1
         l_a = gl.zeros([32], gl.float32, SC)
@@ -258,62 +325,17 @@ if gluon is not None:
         for k0 in range(first, stop, 16):
             na, nb, n0, n1, n2, n3 = _load_chunk(cache_words, table, k0 + 16, last, kv_row, k_off, v_off, gk, tv,
                                                  BLOCK_TOKENS, ROW_WORDS)
-            s0, s1, s2, s3 = _scores(ka, kb, qa, qb, SC, INT8)                 # keys g, g + 8 × heads 2t, 2t + 1
+            s0, s1, s2, s3 = _scores(ka, kb, qa, qb, SC, INT8)             # keys g, g + 8 × heads 2t, 2t + 1
             s0 = _masked(s0 * scale2, k0 + g, stop, lowest, window)
             s1 = _masked(s1 * scale2, k0 + g, stop, lowest, window)
             s2 = _masked(s2 * scale2, k0 + g + 8, stop, lowest, window)
             s3 = _masked(s3 * scale2, k0 + g + 8, stop, lowest, window)
-            new_a = gl.maximum(m_a, _over_keys_max(gl.maximum(s0, s2)))
-            new_b = gl.maximum(m_b, _over_keys_max(gl.maximum(s1, s3)))
-            safe_a = gl.where(new_a == float("-inf"), 0.0, new_a)
-            safe_b = gl.where(new_b == float("-inf"), 0.0, new_b)
-            alpha_a = gl.exp2(m_a - safe_a)
-            alpha_b = gl.exp2(m_b - safe_b)
-            p0 = gl.exp2(s0 - safe_a)
-            p1 = gl.exp2(s1 - safe_b)
-            p2 = gl.exp2(s2 - safe_a)
-            p3 = gl.exp2(s3 - safe_b)
-            l_a = l_a * alpha_a + p0 + p2
-            l_b = l_b * alpha_b + p1 + p3
-            m_a = new_a
-            m_b = new_b
-            pt01 = gl.expand_dims(gl.convert_layout(_pack_transposed(p0, p1), SW, assert_trivial=True), 1)
-            pt23 = gl.expand_dims(gl.convert_layout(_pack_transposed(p2, p3), SW, assert_trivial=True), 1)
-            fa = gl.expand_dims(gl.convert_layout(alpha_a, SW, assert_trivial=True), 1)
-            fb = gl.expand_dims(gl.convert_layout(alpha_b, SW, assert_trivial=True), 1)
-            if INT8:
-                asm: gl.constexpr = _VALUE_INT8
-            else:
-                asm: gl.constexpr = _VALUE_E4M3
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-                asm, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,f,f,f,f",
-                [v0, v1, v2, v3, pt01, pt23, o0 * fa, o1 * fb, o2 * fa, o3 * fb, o4 * fa, o5 * fb, o6 * fa, o7 * fb],
-                dtype=(gl.float32,) * 8, is_pure=True, pack=1)
+            p0, p1, p2, p3, alpha_a, alpha_b, m_a, m_b, l_a, l_b = _softmax_step(s0, s1, s2, s3, m_a, m_b, l_a, l_b)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _accumulate(v0, v1, v2, v3, p0, p1, p2, p3, alpha_a, alpha_b,
+                                                         o0, o1, o2, o3, o4, o5, o6, o7, SW, INT8)
             ka, kb, v0, v1, v2, v3 = na, nb, n0, n1, n2, n3
-
-        l_a = _over_keys_sum(l_a)
-        l_b = _over_keys_sum(l_b)
-        v_scale = gl.load(kv_scale_ptr + 1)
-        lane_o = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)
-        d = gl.expand_dims(gl.arange(0, 4 * W, layout=gl.SliceLayout(0, LO)), 0)
-        head_a = 2 * (lane_o % 4)                                          # this lane's heads: head_a, head_a + 1
-        dims = (lane_o // 4) * (4 * W) + d
-        ok_a = (head_a < GROUP) & (d >= 0)
-        ok_b = (head_a + 1 < GROUP) & (d >= 0)
-        if NUM_PARTS == 1:
-            at = out_ptr + (head0 + head_a) * DIM + dims
-            _store_head(at, o0, o2, o4, o6, v_scale / gl.where(l_a == 0.0, 1.0, l_a), ok_a, LO)
-            _store_head(at + DIM, o1, o3, o5, o7, v_scale / gl.where(l_b == 0.0, 1.0, l_b), ok_b, LO)
-        else:
-            idx = (head0 + 2 * t) * NUM_PARTS + part
-            gl.store(part_m_ptr + idx, m_a / LOG2E, mask=(2 * t < GROUP) & (g == 0))
-            gl.store(part_l_ptr + idx, l_a, mask=(2 * t < GROUP) & (g == 0))
-            gl.store(part_m_ptr + idx + NUM_PARTS, m_b / LOG2E, mask=(2 * t + 1 < GROUP) & (g == 0))
-            gl.store(part_l_ptr + idx + NUM_PARTS, l_b, mask=(2 * t + 1 < GROUP) & (g == 0))
-            at = part_acc_ptr + ((head0 + head_a) * NUM_PARTS + part) * DIM + dims
-            v = gl.full([32], 1.0, gl.float32, SC) * v_scale
-            _store_head(at, o0, o2, o4, o6, v, ok_a, LO)
-            _store_head(at + NUM_PARTS * DIM, o1, o3, o5, o7, v, ok_b, LO)
+        _finish(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, head0, part, m_a, m_b, l_a, l_b,
+                gl.load(kv_scale_ptr + 1), o0, o1, o2, o3, o4, o5, o6, o7, SC, LO, GROUP, DIM, NUM_PARTS)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
