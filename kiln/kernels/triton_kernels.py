@@ -425,7 +425,8 @@ def decode_mma(kv_dtype: torch.dtype, head_dim: int, group: int, tokens_per_bloc
                mma: bool | None = None) -> bool:
     """Whether decode attention over this cache runs on mma_decode_attention (one warp per program; split-K
     partitions are chosen for that: model_runner.decode_partitions). mma: None follows DECODE_MMA."""
-    return ((DECODE_MMA if mma is None else mma) and mma_decode_attention.takes(kv_dtype, head_dim, group, tokens_per_block)
+    return ((DECODE_MMA if mma is None else mma)
+            and mma_decode_attention.takes(kv_dtype, head_dim, group, tokens_per_block)
             and mma_decode_attention.available(device))
 
 
@@ -472,8 +473,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attention_kernel[grid](
             q, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0), seq_lens, query_start_loc, out,
             part_m, part_l, part_acc, scale, sliding_window or 0, q if kv_scale is None else kv_scale,
-            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, BLOCK_Q=block_q, PART_TOKENS=part_tokens,
-            NUM_PARTS=num_parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
+            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile,
+            BLOCK_Q=block_q, PART_TOKENS=part_tokens, NUM_PARTS=num_parts,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=_kv_quant(kv_cache),
             WORD_LOADS=word_loads, num_warps=num_warps, num_stages=num_stages, **_launch())
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
@@ -505,8 +507,8 @@ GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 b
 GEMV_MMA = False      # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout: products of ≤ 16
                       # rows on mma.sync (kernels/int4_mma.py), more rows dequantized for cuBLAS; wins over the pairs
                       # of GEMV_SILU and the fp16 scales of GEMV_HALF_SCALES, which that kernel does not read. Off:
-                      # its first version was 1.15-1.27x slower than the CUDA-core GEMV at one row (2x faster at 4);
-                      # the second (two chunks in flight per warp, signed levels) has not run on a GPU yet
+                      # both versions are slower than the CUDA-core GEMV at one row (second: qkv 10.0 vs 7.7 µs;
+                      # 1.4-2.1x faster at 4 rows) and per-channel int4 with zero points fails its GPU test
 GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
 
 
