@@ -269,12 +269,15 @@ def _gemv_sweep(bits: int, zero: bool):
     best = {}
     for name, (n, k) in QUANT_SHAPES.items():
         groups = k // 128 if bits == 4 else 1
-        row_bytes = k * bits // 8 + groups * 4 * (2 if zero else 1)
+        half = zero and tk.GEMV_HALF_SCALES                     # the engine's int4 layout: fp16 scale pairs
+        row_bytes = k * bits // 8 + groups * 4 * (2 if zero and not half else 1)
         copies = _copies(n * row_bytes)
         weights = [torch.randint(-128, 127, (n, k * bits // 8), device="cuda", dtype=torch.int8).view(
             torch.uint8 if bits == 4 else torch.int8) for _ in range(copies)]
         scales = [torch.rand((n, groups), device="cuda") * 1e-2 for _ in range(copies)]
         zeros = [torch.rand((n, groups), device="cuda") * 15 if zero else None for _ in range(copies)]
+        if half:
+            scales, zeros = [tk.half_scale_pairs(s, z) for s, z in zip(scales, zeros)], [None] * copies
         x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
         dense = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
         bf16 = _graph_seconds([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
@@ -289,7 +292,7 @@ def _gemv_sweep(bits: int, zero: bool):
         log(f"gemv_int{bits}{'_zero' if zero else ''}_{name}",
             f"best {config}: {times[config] * 1e6:.1f}us {tb(times[config]):.2f}TB/s | cuBLAS bf16 {bf16 * 1e6:.1f}us "
             f"{n * k * 2 / bf16 / 1e12:.2f}TB/s | x{bf16 / times[config]:.2f} | all " +
-            " ".join(f"{c[0]}/{c[1]}/{int(c[2])}:{t * 1e6:.1f}" for c, t in times.items()))
+            " ".join(f"{'/'.join(str(int(v)) for v in c)}:{t * 1e6:.1f}" for c, t in times.items()))
         del weights, scales, zeros
         torch.cuda.empty_cache()
     return best

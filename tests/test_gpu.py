@@ -254,7 +254,11 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     for rows in (1, 16, 17):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)
-        assert rel_err(out, x.double() @ dequant.double().t()) < 5e-3, rows
+        # above MAX_ROWS cuBLAS multiplies the weight rounded to x's dtype: per channel with a float zero point,
+        # each level's rounding repeats over the whole row and adds up with x's mean (1.8e-2 against the exact
+        # weight in bf16, test run of 2026-12-02)
+        weight = dequant if rows <= int4_mma.MAX_ROWS else dequant.to(dtype)
+        assert rel_err(out, x.double() @ weight.double().t()) < 5e-3, rows
 
 
 def _gpu_layout(algo: str, params: dict, gated: bool = False) -> dict:

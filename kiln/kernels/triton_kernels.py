@@ -714,6 +714,85 @@ def _store_row(out_ptr, sumsq_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.
 
 
 @triton.jit
+def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, K, ROW_WORDS, GROUPS, num_blocks,
+                    inv0, inv1, inv2, inv3, acc0, acc1, acc2, acc3,
+                    BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, HALF_SCALES: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
+                    NORM_X: tl.constexpr):
+    """The accumulators plus the products of the blocks b0 … b0 + BLOCKS - 1 (`words`) of rows n with every x row."""
+    VALS: tl.constexpr = 32 // BITS
+    COLS: tl.constexpr = 4 * VALS
+    W: tl.constexpr = 4 * BLOCKS
+    UNIT: tl.constexpr = 2.0 ** 64                            # _unpack's products are v·x·2^-64
+    kw = 4 * b0 + tl.arange(0, W)
+    cols = ((kw // 4) * COLS + kw % 4)[None, :]              # column of each word's value 0
+    x_ok = None if EVEN else (kw < ROW_WORDS)[None, :]
+    if BITS == 8:
+        words = words ^ -0x7F7F7F80                         # 0x80808080: q + 128 in every byte
+    p0 = tl.zeros([BLOCK_N, W], tl.float32)
+    p1 = tl.zeros([BLOCK_N, W], tl.float32)
+    p2 = tl.zeros([BLOCK_N, W], tl.float32)
+    p3 = tl.zeros([BLOCK_N, W], tl.float32)
+    x0 = tl.zeros([1, W], tl.float32)
+    x1 = tl.zeros([1, W], tl.float32)
+    x2 = tl.zeros([1, W], tl.float32)
+    x3 = tl.zeros([1, W], tl.float32)
+    for j in tl.static_range(VALS):
+        f, x_factor = _unpack(words, j, BITS)
+        at = cols + 4 * j
+        norm_w = _norm_weight(norm_w_ptr, at, x_ok, NORM_X)
+        p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, norm_w, inv0, p0, x0, NORM_X)
+        if ROWS > 1:
+            p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, norm_w, inv1, p1, x1, NORM_X)
+        if ROWS > 2:
+            p2, x2 = _row_products(f, x_factor, x_ptr + 2 * K, at, x_ok, norm_w, inv2, p2, x2, NORM_X)
+        if ROWS > 3:
+            p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, norm_w, inv3, p3, x3, NORM_X)
+    if BITS == 8:                                            # the row's scale comes at the end
+        scale = 1.0
+        zero = 128.0 / UNIT
+    else:
+        blk = b0 + tl.arange(0, BLOCKS)
+        if GROUP == 0:
+            at = n[:, None] * GROUPS + 0 * blk[None, :]
+        else:
+            at = n[:, None] * GROUPS + ((COLS * blk) // GROUP)[None, :]
+        ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
+        if HAS_ZERO:
+            scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
+            scale = UNIT * scale
+            zero = zero / UNIT
+        else:
+            scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
+            zero = 8.0 / UNIT
+    acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
+    if ROWS > 1:
+        acc1 = _add_blocks(acc1, p1, x1, scale, zero, BLOCK_N, BLOCKS)
+    if ROWS > 2:
+        acc2 = _add_blocks(acc2, p2, x2, scale, zero, BLOCK_N, BLOCKS)
+    if ROWS > 3:
+        acc3 = _add_blocks(acc3, p3, x3, scale, zero, BLOCK_N, BLOCKS)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_rows(out_ptr, sumsq_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, BITS: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SILU: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    """Every x row's products with the weight rows n (int8: times each row's scale)."""
+    if BITS == 8:
+        row_scale = 2.0 ** 64 * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
+    else:
+        row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    _store_row(out_ptr, sumsq_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
+    if ROWS > 1:
+        _store_row(out_ptr, sumsq_ptr, acc1, 1, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
+    if ROWS > 2:
+        _store_row(out_ptr, sumsq_ptr, acc2, 2, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
+    if ROWS > 3:
+        _store_row(out_ptr, sumsq_ptr, acc3, 3, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
+
+
+@triton.jit
 def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_ptr, sumsq_in_ptr, sumsq_out_ptr,
                              N, K, ROW_WORDS, GROUPS, PARTS, eps,
                              BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
@@ -731,19 +810,17 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_
     RMS-normalized as it is loaded (weight norm_w_ptr, 1/rms from the (ROWS, PARTS) partial sums of squares at
     sumsq_in_ptr). ADD_RESIDUAL: out is the residual, the product is added to it and each program writes its sum
     of squares to sumsq_out_ptr (ROWS, programs). (Not both: the residual would be read while written.)"""
-    VALS: tl.constexpr = 32 // BITS
-    COLS: tl.constexpr = 4 * VALS
+    COLS: tl.constexpr = 4 * (32 // BITS)
     W: tl.constexpr = 4 * BLOCKS
-    UNIT: tl.constexpr = 2.0 ** 64                            # _unpack's products are v·x·2^-64
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w_rows = w_ptr + n[:, None].to(tl.int64) * ROW_WORDS
     num_blocks = K // COLS
+    kw0 = tl.arange(0, W)
     acc0 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
-    kw0 = tl.arange(0, W)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * ROW_WORDS
     words = _load_words(w_rows, kw0, n_ok, ROW_WORDS, EVEN)      # in flight while the kernel before finishes
     _wait_for_inputs(PDL)
     inv0 = _inv_rms(sumsq_in_ptr, PARTS, K, eps, PARTS_PAD, NORM_X)
@@ -751,75 +828,23 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, norm_w_
     inv2 = _inv_rms(sumsq_in_ptr + 2 * PARTS, PARTS, K, eps, PARTS_PAD, NORM_X and ROWS > 2)
     inv3 = _inv_rms(sumsq_in_ptr + 3 * PARTS, PARTS, K, eps, PARTS_PAD, NORM_X and ROWS > 3)
     for b0 in range(0, num_blocks, BLOCKS):
-        kw = 4 * b0 + kw0
         if PREFETCH:                                             # the next blocks' loads fly during this math
             following = _next_words(w_rows, 4 * b0, kw0, n_ok, ROW_WORDS, W, EVEN)
-        cols = ((kw // 4) * COLS + kw % 4)[None, :]              # column of each word's value 0
-        x_ok = None if EVEN else (kw < ROW_WORDS)[None, :]
-        if BITS == 8:
-            words = words ^ -0x7F7F7F80                         # 0x80808080: q + 128 in every byte
-        p0 = tl.zeros([BLOCK_N, W], tl.float32)
-        p1 = tl.zeros([BLOCK_N, W], tl.float32)
-        p2 = tl.zeros([BLOCK_N, W], tl.float32)
-        p3 = tl.zeros([BLOCK_N, W], tl.float32)
-        x0 = tl.zeros([1, W], tl.float32)
-        x1 = tl.zeros([1, W], tl.float32)
-        x2 = tl.zeros([1, W], tl.float32)
-        x3 = tl.zeros([1, W], tl.float32)
-        for j in tl.static_range(VALS):
-            f, x_factor = _unpack(words, j, BITS)
-            at = cols + 4 * j
-            norm_w = _norm_weight(norm_w_ptr, at, x_ok, NORM_X)
-            p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, norm_w, inv0, p0, x0, NORM_X)
-            if ROWS > 1:
-                p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, norm_w, inv1, p1, x1, NORM_X)
-            if ROWS > 2:
-                p2, x2 = _row_products(f, x_factor, x_ptr + 2 * K, at, x_ok, norm_w, inv2, p2, x2, NORM_X)
-            if ROWS > 3:
-                p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, norm_w, inv3, p3, x3, NORM_X)
-        if BITS == 8:                                            # the row's scale comes at the end
-            scale = 1.0
-            zero = 128.0 / UNIT
-        else:
-            blk = b0 + tl.arange(0, BLOCKS)
-            if GROUP == 0:
-                at = n[:, None] * GROUPS + 0 * blk[None, :]
-            else:
-                at = n[:, None] * GROUPS + ((COLS * blk) // GROUP)[None, :]
-            ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
-            if HAS_ZERO:
-                scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
-                scale = UNIT * scale
-                zero = zero / UNIT
-            else:
-                scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
-                zero = 8.0 / UNIT
-        acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
-        if ROWS > 1:
-            acc1 = _add_blocks(acc1, p1, x1, scale, zero, BLOCK_N, BLOCKS)
-        if ROWS > 2:
-            acc2 = _add_blocks(acc2, p2, x2, scale, zero, BLOCK_N, BLOCKS)
-        if ROWS > 3:
-            acc3 = _add_blocks(acc3, p3, x3, scale, zero, BLOCK_N, BLOCKS)
+        acc0, acc1, acc2, acc3 = _block_products(
+            words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, K, ROW_WORDS, GROUPS, num_blocks,
+            inv0, inv1, inv2, inv3, acc0, acc1, acc2, acc3, BITS, HAS_ZERO, GROUP, HALF_SCALES, ROWS, BLOCK_N,
+            BLOCKS, EVEN, NORM_X)
         if PREFETCH:
             words = following
         else:
             words = _next_words(w_rows, 4 * b0, kw0, n_ok, ROW_WORDS, W, EVEN)
-    if BITS == 8:
-        row_scale = UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
-    else:
-        row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    _store_row(out_ptr, sumsq_out_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
-    if ROWS > 1:
-        _store_row(out_ptr, sumsq_out_ptr, acc1, 1, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
-    if ROWS > 2:
-        _store_row(out_ptr, sumsq_out_ptr, acc2, 2, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
-    if ROWS > 3:
-        _store_row(out_ptr, sumsq_out_ptr, acc3, 3, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
+    _store_rows(out_ptr, sumsq_out_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, BITS, ROWS, BLOCK_N,
+                SILU, ADD_RESIDUAL)
 
 
 GEMV_MAX_ROWS = 4
-GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 128, True), (4, 128, True)]
+GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 128, True), (4, 128, True),
+              (8, 32, True), (16, 32, True)]
 # (BLOCK_N, BLOCKS, PREFETCH) measured by the GPU suite
 
 
@@ -840,10 +865,10 @@ def gemv_config(n: int, k: int, rows: int, bits: int) -> tuple[int, int, bool]:
 
 
 def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale: torch.Tensor,
-                     zero: torch.Tensor | None, bits: int, config: tuple[int, int, bool] | None = None,
-                     silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+                     zero: torch.Tensor | None, bits: int, config: tuple | None = None, silu: bool = False,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """x (at most GEMV_MAX_ROWS rows: decoding) @ dequant(w)^T for interleaved weights (interleave_weight),
-    reading each weight byte once. x may be a DeferredNorm (normalized as it is loaded). silu: the rows alternate
+    reading each weight byte once. config: (BLOCK_N, BLOCKS, PREFETCH). x may be a DeferredNorm (normalized as it is loaded). silu: the rows alternate
     gate, up (pair_gate_up_rows) and the result is SiLU(gate)·up, (rows, N/2). residual: the product is added to
     it in place and returned as a ResidualSum with the sums of squares of its programs."""
     from .quant import int4_group_size
@@ -858,6 +883,7 @@ def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale
     groups = scale2d.shape[1]
     block_n, blocks, prefetch = config or gemv_config(n, k, m, bits)
     programs = triton.cdiv(n, block_n)
+    even = n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0
     if residual is None:
         out = sumsq_out = torch.empty((m, n // 2 if silu else n), dtype=rows.dtype, device=rows.device)
     else:
@@ -870,9 +896,8 @@ def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale
         rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, norm_w, sumsq_in, sumsq_out,
         n, k, k * bits // 32, groups, parts, eps, BITS=bits, HAS_ZERO=zero is not None or half,
         GROUP=0 if groups == 1 else int4_group_size(k, groups), HALF_SCALES=half, ROWS=m, BLOCK_N=block_n,
-        BLOCKS=blocks, EVEN=n % block_n == 0 and (k // _block_columns(bits)) % blocks == 0, PREFETCH=prefetch,
-        SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts), ADD_RESIDUAL=residual is not None,
-        num_warps=blocks // 32, **_launch())
+        BLOCKS=blocks, EVEN=even, PREFETCH=prefetch, SILU=silu, NORM_X=normed, PARTS_PAD=triton.next_power_of_2(parts),
+        ADD_RESIDUAL=residual is not None, num_warps=blocks // 32, **_launch())
     return out if residual is None else ResidualSum(residual, sumsq_out)
 
 
