@@ -594,6 +594,26 @@ def attn_sweep(args):
             torch.cuda.empty_cache()
 
 
+def _decode_attention_variants(name: str, batch: int, keys: int, kv_dtype, variants: dict) -> None:
+    """Decode attention of `batch` sequences of `keys` keys (8B shape, 6 caches) per variant, label → (max_keys →
+    (num_parts, part_tokens, other paged_attention options)): µs, TB/s of the cache bytes and partitions of each,
+    and the others' relative difference from the first's output."""
+    from kiln.kernels import triton_kernels as tk
+    q, caches, tables, lens, starts, scale = _decode_attention_case(batch, (keys, keys), kv_dtype, layers=6)
+    nbytes = int(lens.sum()) * 8 * 128 * 2 * kv_dtype.itemsize
+    times, outs = {}, {}
+    for label, choose in variants.items():
+        parts, part, options = choose(tables.shape[1] * 32)
+        run = lambda c, n=parts, pt=part, o=options: tk.paged_attention(  # noqa: E731
+            q, c, tables, lens, starts, 1, 128 ** -0.5, None, num_parts=n, part_tokens=pt, kv_scale=scale, **o)
+        outs[label] = run(caches[0]).float()
+        times[label] = (_graph_seconds([lambda c=c: run(c) for c in caches]), parts)
+    first = next(iter(outs.values()))
+    err = max(((o - first).norm() / first.norm()).item() for o in outs.values())
+    log(name, " | ".join(f"{label} {t * 1e6:.1f}us {nbytes / t / 1e12:.2f}TB/s parts {n}"
+                         for label, (t, n) in times.items()) + f" | err {err:.1e}")
+
+
 @phase
 def attn_small(args):
     """Decode attention over an e4m3 cache at small batches, each kernel with its own split-K partitions
@@ -602,21 +622,9 @@ def attn_small(args):
     from kiln.kernels import triton_kernels as tk
     from kiln.runtime.model_runner import decode_partitions
     for batch, keys in [(1, 256), (1, 2048), (8, 512), (8, 4096), (32, 1024), (64, 256), (128, 2048)]:
-        q, caches, tables, lens, starts, scale = _decode_attention_case(batch, (keys, keys), torch.float8_e4m3fn,
-                                                                        layers=6)
-        nbytes = int(lens.sum()) * 8 * 128 * 2
-        times, outs = {}, {}
-        for mma in (True, False):
-            parts, part = decode_partitions(batch * 8, tables.shape[1] * 32, mma)
-            run = lambda c, m=mma, n=parts, pt=part: tk.paged_attention(  # noqa: E731
-                q, c, tables, lens, starts, 1, 128 ** -0.5, None, num_parts=n, part_tokens=pt, kv_scale=scale, mma=m)
-            outs[mma] = run(caches[0]).float()
-            times[mma] = (_graph_seconds([lambda c=c: run(c) for c in caches]), parts)
-        err = ((outs[True] - outs[False]).norm() / outs[False].norm()).item()
-        log(f"attn_small_b{batch}_keys{keys}", " | ".join(
-            f"{'mma' if m else 'triton'} {t * 1e6:.1f}us {nbytes / t / 1e12:.2f}TB/s parts {n}"
-            for m, (t, n) in times.items()) + f" | err {err:.1e}")
-        del caches
+        _decode_attention_variants(f"attn_small_b{batch}_keys{keys}", batch, keys, torch.float8_e4m3fn, {
+            label: lambda max_keys, m=mma: (*decode_partitions(batch * 8, max_keys, m), {"mma": m})
+            for label, mma in (("mma", True), ("triton", False))})
     from kiln.config import QuantConfig
     build = bench.default_bench_build("latency", 128, 128, 1)
     engine = bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=QuantConfig(kv_cache_quant_algo="FP8"))
@@ -626,6 +634,36 @@ def attn_small(args):
     tk.DECODE_MMA = True
     del engine
     torch.cuda.empty_cache()
+
+
+@phase
+def attn_split(args):
+    """Decode attention over a bf16 cache at small batches on the Triton kernel with the split-K partitions of
+    model_runner.decode_partitions, small-batch splitting (SPLIT_SMALL_BATCHES) off and on; then batch-1 decode of
+    the 8B shape (bf16, W4A16_AWQ) with each (the switch is read when the decode graphs are captured), and with
+    torch's argmax for greedy tokens instead of the Triton one."""
+    from kiln.runtime import model_runner
+
+    def split_parts(max_keys, batch, split):
+        model_runner.SPLIT_SMALL_BATCHES = split
+        return (*model_runner.decode_partitions(batch * 8, max_keys, False), {})
+
+    for batch, keys in [(1, 256), (1, 1024), (1, 4096), (4, 512), (8, 256), (16, 1024), (32, 256)]:
+        _decode_attention_variants(f"attn_split_b{batch}_keys{keys}", batch, keys, torch.bfloat16, {
+            label: lambda max_keys, b=batch, on=split: split_parts(max_keys, b, on)
+            for label, split in (("old", False), ("split", True))})
+    triton_argmax = model_runner.ModelRunner._argmax
+    for algo in (None, "W4A16_AWQ"):
+        engine = _latency_engine(algo, 128)
+        for split, argmax in ((False, False), (True, False), (True, True)):
+            model_runner.SPLIT_SMALL_BATCHES = split
+            model_runner.ModelRunner._argmax = triton_argmax if argmax else lambda self, rows: rows.argmax(dim=-1)
+            log(f"attn_split_{'on' if split else 'off'}_{'triton' if argmax else 'torch'}_argmax_{algo or 'bf16'}"
+                "_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
+        del engine
+        torch.cuda.empty_cache()
+    model_runner.SPLIT_SMALL_BATCHES = True
+    model_runner.ModelRunner._argmax = triton_argmax
 
 
 def _median_ms(seconds: list[float]) -> float | None:

@@ -516,3 +516,15 @@ def test_quantized_kv_cache_kernels(kv):
     out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                              128 ** -0.5, None, kv_scale=kv_scale)
     assert rel_err(out, ref) < 2e-2
+
+
+def test_argmax_rows_is_torchs():
+    """Greedy decoding's argmax on the 8B vocabulary (not a whole number of chunks): equal to torch.argmax for 1-64
+    bf16 rows, ties going to the first column."""
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for rows in (1, 2, 7, 64):
+        x = torch.randn((rows, 128256), generator=g, device=CUDA).bfloat16()
+        x[0, [128255, 77, 90000]] = 100.0
+        assert torch.equal(tk.argmax_rows(x), x.argmax(dim=-1)), rows

@@ -1,5 +1,5 @@
-"""The GPU's kernels for quantized layers run by Triton's interpreter on the CPU, against the reference formats and
-products of kiln.kernels.quant (tests/test_gpu.py runs them compiled). test_quantization.py runs this file in its
+"""The GPU's kernels for quantized layers (and its greedy argmax) run by Triton's interpreter on the CPU, against the
+reference formats and products of kiln.kernels.quant (tests/test_gpu.py runs them compiled). test_quantization.py runs this file in its
 own process with TRITON_INTERPRET=1, which must be set before Triton is imported; collected otherwise, it skips."""
 from __future__ import annotations
 
@@ -341,3 +341,18 @@ def test_half_scales_only_where_fp16_holds_them(interpreted, monkeypatch):
         assert not layout.half_scales and packed["weight_scale"].dtype == torch.float32, algo
     monkeypatch.setattr(interpreted, "GEMV_HALF_SCALES", False)
     assert not interpreted.pack_quant("W4A16_AWQ", params)[0].half_scales
+
+
+def test_interpreted_argmax_rows_is_torchs(interpreted, monkeypatch):
+    """The two-kernel argmax of greedy decoding equals torch.argmax: a vocabulary that is not a whole number of
+    chunks, the maximum in the short last chunk, ties across and within chunks (the first wins), all -inf, NaN."""
+    monkeypatch.setattr(interpreted, "ARGMAX_CHUNK", 64)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 300, generator=g)
+    x[1, 299] = 10.0                                   # in the last, short chunk
+    x[2, [70, 5, 200]] = 7.0                           # a tie across chunks: column 5
+    x[3, [130, 129]] = 7.0                             # a tie within a chunk: column 129
+    x[4] = float("-inf")
+    x[5, 150] = float("nan")
+    for rows in (x, x.bfloat16(), x[:, :256]):
+        assert torch.equal(interpreted.argmax_rows(rows.contiguous()), rows.argmax(dim=-1))

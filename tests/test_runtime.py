@@ -344,21 +344,34 @@ def test_decoding_mode_and_request_limits(llama):
         LLM(model, enable_trt_overlap=True, scheduling_policy=SchedulerPolicy.MAX_UTILIZATION, quiet=True)
 
 
-def test_decode_partitions_fill_the_gpu():
-    """Split-K partitions: the Triton kernel's (four warps a program) split only few or long sequences, at 512
-    keys; one-warp programs (mma.sync over an 8-bit cache) split small batches into partitions of ≥ 64 keys so that
-    ~BUSY_WARPS programs run, and long sequences at 512."""
+def test_decode_partitions_fill_the_gpu(monkeypatch):
+    """Split-K partitions: long sequences split at 512 keys; batches too small to fill the GPU split into
+    partitions of ≥ 64 keys so that ~BUSY_PROGRAMS programs of the Triton kernel (four warps a program) or
+    ~BUSY_WARPS one-warp programs (mma.sync over an 8-bit cache) run; with SPLIT_SMALL_BATCHES off the Triton
+    kernel's partitions stay at 512."""
+    from kiln.runtime import model_runner
     from kiln.runtime.model_runner import decode_partitions
 
     assert decode_partitions(512 * 8, 256, False) == (1, None)
-    assert decode_partitions(8, 4096, False) == (8, 512)
+    assert decode_partitions(8, 4096, False) == (32, 128)          # ceil(4096·8 / 264) = 125 → 128 keys
+    assert decode_partitions(8, 256, False) == (4, 64)             # batch 1 of the 8B shape: 32 programs
     assert decode_partitions(256 * 8, 2048, False) == (4, 512)
-    assert decode_partitions(8, 400, False) == (1, None)
+    assert decode_partitions(8, 64, False) == (1, None)
     assert decode_partitions(512 * 8, 256, True) == (1, None)
     assert decode_partitions(8, 1024, True) == (16, 64)            # one sequence: 16 partitions of 64 keys
     assert decode_partitions(32 * 8, 1024, True) == (8, 128)       # ceil(1024·256 / 2048) = 128 keys
     assert decode_partitions(256 * 8, 2048, True) == (4, 512)
     assert decode_partitions(8, 64, True) == (1, None)
+    for one_warp in (False, True):
+        unit = 16 if one_warp else 64
+        for programs in (1, 8, 100, 1000, 3000):
+            for keys in (1, 63, 65, 700, 5000, 100000):
+                parts, part = decode_partitions(programs, keys, one_warp)
+                assert parts == 1 or (part % unit == 0 and (parts - 1) * part < keys <= parts * part)
+    monkeypatch.setattr(model_runner, "SPLIT_SMALL_BATCHES", False)
+    assert decode_partitions(8, 4096, False) == (8, 512)
+    assert decode_partitions(8, 400, False) == (1, None)
+    assert decode_partitions(8, 1024, True) == (16, 64)            # one-warp programs split regardless
     for programs in (1, 8, 100, 1000, 3000):
         for keys in (1, 63, 65, 700, 5000, 100000):
             parts, part = decode_partitions(programs, keys, True)

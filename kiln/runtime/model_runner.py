@@ -24,25 +24,25 @@ PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program cover
 BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
 LONG_CONTEXT = 1024      # decode batches with longer sequences use the split-K variant whatever their size
 BUSY_WARPS = 2048        # one-warp decode programs (an 8-bit cache on mma.sync): ~16 per multiprocessor
-MIN_PARTITION = 64       # keys of the shortest one-warp partition (four 16-key steps)
+MIN_PARTITION = 64       # keys of the shortest partition (four 16-key steps of one warp, one tile of the Triton kernel)
+SPLIT_SMALL_BATCHES = True   # the Triton kernel's small batches split too, as one-warp programs do (not only at 512)
 
 
 def decode_partitions(programs: int, max_keys: int, one_warp: bool) -> tuple[int, int | None]:
     """Split-K partitions (num_parts, part_tokens) of decode attention with `programs` (sequence, KV head) pairs
     over up to max_keys keys: when the pairs alone leave the GPU idle, or when sequences are long enough that one
-    program per pair would stream its keys too slowly. One-warp programs (one_warp) need ~8× more of them to fill
-    the GPU, so their partitions shrink to MIN_PARTITION keys for small batches."""
-    if one_warp:
-        if max_keys <= MIN_PARTITION or (programs >= BUSY_WARPS and max_keys <= LONG_CONTEXT):
-            return 1, None
-        part = PARTITION_TOKENS
-        if programs < BUSY_WARPS:
-            wanted = -(-max_keys * programs // BUSY_WARPS)                 # keys per partition for BUSY_WARPS
-            part = min(PARTITION_TOKENS, max(MIN_PARTITION, -(-wanted // 16) * 16))
-    else:
-        if max_keys <= PARTITION_TOKENS or not (programs < BUSY_PROGRAMS or max_keys > LONG_CONTEXT):
-            return 1, None
-        part = PARTITION_TOKENS
+    program per pair would stream its keys too slowly. Batches of fewer pairs than fill the GPU (BUSY_PROGRAMS, or
+    ~8× more one-warp programs: BUSY_WARPS) get partitions of fewer keys, down to MIN_PARTITION, so that
+    programs × partitions fill it (SPLIT_SMALL_BATCHES off: the Triton kernel's partitions stay at 512)."""
+    busy = BUSY_WARPS if one_warp else BUSY_PROGRAMS
+    shrink = one_warp or SPLIT_SMALL_BATCHES
+    if max_keys <= (MIN_PARTITION if shrink else PARTITION_TOKENS) or (programs >= busy and max_keys <= LONG_CONTEXT):
+        return 1, None
+    part = PARTITION_TOKENS
+    if shrink and programs < busy:
+        unit = 16 if one_warp else MIN_PARTITION                          # a one-warp step; a Triton tile
+        wanted = -(-max_keys * programs // busy)                           # keys per partition to fill the GPU
+        part = min(PARTITION_TOKENS, max(MIN_PARTITION, -(-wanted // unit) * unit))
     parts = -(-max_keys // part)
     return (1, None) if parts == 1 else (parts, part)
 
@@ -154,6 +154,24 @@ class ModelRunner:
             from .kernel_cache import count_entries
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
+    def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of logit rows: with the Triton kernels, their argmax (torch's reduction gives one block to a
+        row: ~36 µs a batch-1 step of the 8B model)."""
+        if self.net.ops.name == "triton" and rows.is_cuda:
+            from kiln.kernels.triton_kernels import argmax_rows
+            return argmax_rows(rows)
+        return rows.argmax(dim=-1)
+
+    def _graph_parts(self, batch: int, max_seq_len: int) -> tuple[int, int | None]:
+        """Split-K partitions of a one-token step run without a graph, as the CUDA graph of its bucket has them (its
+        long-sequence graph past LONG_CONTEXT): the same split, so the same roundings, in a graph or not."""
+        from .cuda_graphs import bucket_sizes
+
+        keys = self.max_blocks_per_seq * self.tokens_per_block
+        if max_seq_len <= LONG_CONTEXT:
+            keys = min(keys, LONG_CONTEXT)
+        return self._parts(next((s for s in bucket_sizes(self.max_decode_batch) if s >= batch), batch), keys)
+
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
         """Split-K partitions for a decode step of `batch` sequences (decode_partitions)."""
         if not self.multi_block_mode:
@@ -221,7 +239,7 @@ class ModelRunner:
         logits = self.run_step(step, fill)                                            # (rows, V)
         launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits)
         if defer and ends and self._deferrable(out, launch.row_of):
-            launch.defer(launch.rows.argmax(dim=-1))
+            launch.defer(self._argmax(launch.rows))
         return launch
 
     def finish(self, launch: "Launch") -> tuple[ModelStepOutput, StepLogits]:
@@ -292,7 +310,7 @@ class ModelRunner:
                                  max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
                                  tokens_per_block=self.tokens_per_block)
         if step.max_query_len == 1:
-            meta.num_parts, meta.part_tokens = self._parts(len(step.seq_lens), width * self.tokens_per_block)
+            meta.num_parts, meta.part_tokens = self._graph_parts(len(step.seq_lens), step.max_seq_len)
         return meta
 
     def _logits(self, hidden: torch.Tensor, step: Step) -> torch.Tensor:
@@ -338,7 +356,7 @@ class ModelRunner:
         if simple:                                    # batched greedy: one argmax, one copy to the host
             order = [row_of[r.seqs[0].seq_id] for r in simple]
             chosen = rows if order == list(range(rows.shape[0])) else rows[self._tensor(order)]
-            picks = chosen.argmax(dim=-1).tolist()
+            picks = self._argmax(chosen).tolist()
             for request, token in zip(simple, picks):
                 result.tokens[request.request_id] = [SampledToken(0, token)]
         simple_ids = {id(r) for r in simple}
