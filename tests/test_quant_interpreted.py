@@ -356,3 +356,15 @@ def test_interpreted_argmax_rows_is_torchs(interpreted, monkeypatch):
     x[5, 150] = float("nan")
     for rows in (x, x.bfloat16(), x[:, :256]):
         assert torch.equal(interpreted.argmax_rows(rows.contiguous()), rows.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_interpreted_int4_fragment_dequantize(interpreted, group):
+    """int4_mma's dequantize kernel (products of more than 16 rows) on the fragment layout: the engine layout's
+    float matrix exactly, with zero points per group of 128 or per row."""
+    from kiln.kernels import int4_mma
+
+    g = torch.Generator().manual_seed(10)
+    packed, scale, zero = quant.quantize_int4(torch.randn(32, 256, generator=g), group, True)
+    out = int4_mma.dequantize(int4_mma.pack(packed), scale, zero, torch.float32)
+    assert torch.equal(out, quant.dequantize_int4(packed, scale, zero))

@@ -186,10 +186,23 @@ def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
             assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved)
 
 
+def _fragment_element(flat: torch.Tensor, nchunk: int, rb: int, kc: int, p: int, lane: int, i: int) -> int:
+    """Element i of lane's A fragment of plane p (PTX ISA: register i // 2, half i % 2) from the packed words."""
+    word = int(flat[((rb * nchunk + kc) * 32 + lane) * 8 + p])
+    return (word >> (4 * (i // 2 + 4 * (i % 2)))) & 0xF
+
+
+def _fragment_place(lane: int, i: int) -> tuple[int, int]:
+    """(row in the 16-row block, fragment column) of element i of lane's A fragment: rows groupID (+8 for elements
+    2, 3, 6, 7), columns 2·threadID_in_group + (i & 1) (+8 for i ≥ 4)."""
+    group, thread = divmod(lane, 4)
+    return group + (8 if i in (2, 3, 6, 7) else 0), 2 * thread + (i & 1) + (8 if i >= 4 else 0)
+
+
 def test_int4_fragment_layout_is_mma_a_operand():
-    """int4_mma.pack puts into nibble r + 4·ki of lane l's word of plane p exactly element 2r + ki of that lane's A
-    fragment of mma.m16n8k16 (PTX ISA: rows groupID (+8 for elements 2, 3, 6, 7), columns 2·threadID_in_group +
-    (i & 1) (+8 for i ≥ 4)) for the 16-row block and the 16 columns of the plane; unpack undoes pack."""
+    """int4_mma.pack puts into lane l's word p (words 8l … 8l + 7 of a 16-row × 128-column block) exactly plane p's
+    A fragment of mma.m16n8k16, fragment column c standing for the chunk's column 32t + 4p + 2·(c // 8) + c % 2;
+    unpack undoes pack."""
     from kiln.kernels import int4_mma, quant
 
     g = torch.Generator().manual_seed(0)
@@ -203,13 +216,38 @@ def test_int4_fragment_layout_is_mma_a_operand():
         for kc in range(k // 128):
             for p in range(8):
                 for lane in range(32):
-                    word = int(flat[((rb * (k // 128) + kc) * 8 + p) * 32 + lane])
-                    group, thread = divmod(lane, 4)
-                    for i in range(8):                     # a_i: register i // 2, half i % 2
-                        row = group + (8 if i in (2, 3, 6, 7) else 0)
-                        col = 2 * thread + (i & 1) + (8 if i >= 4 else 0)
-                        nibble = (word >> (4 * (i // 2 + 4 * (i % 2)))) & 0xF
-                        assert nibble == levels[16 * rb + row, 128 * kc + 16 * p + col], (rb, kc, p, lane, i)
+                    for i in range(8):
+                        row, col = _fragment_place(lane, i)
+                        column = 32 * (lane % 4) + 4 * p + 2 * (col // 8) + col % 2
+                        assert _fragment_element(flat, k // 128, rb, kc, p, lane, i) == \
+                            levels[16 * rb + row, 128 * kc + column], (rb, kc, p, lane, i)
+
+
+def test_int4_fragment_products_emulated():
+    """The kernel's product, emulated from the PTX fragment tables on the packed words and on the x words each lane
+    loads (x's columns 32t … 32t + 31 of a chunk, words 2p and 2p + 1 being plane p's B fragment b0 b1, b2 b3 for
+    B rows 2t, 2t + 1, 2t + 8, 2t + 9 of column groupID): D = levels · xᵀ."""
+    from kiln.kernels import int4_mma, quant
+
+    g = torch.Generator().manual_seed(1)
+    n, k, m = 16, 256, 8
+    levels = torch.randint(0, 16, (n, k), generator=g)
+    x = torch.randint(-4, 5, (m, k), generator=g).double()
+    flat = int4_mma.pack(quant.pack_int4(levels)).reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    d = torch.zeros(16, 8, dtype=torch.float64)
+    for kc in range(k // 128):
+        for p in range(8):
+            a = torch.zeros(16, 16, dtype=torch.float64)
+            b = torch.zeros(16, 8, dtype=torch.float64)
+            for lane in range(32):
+                group, thread = divmod(lane, 4)
+                lane_x = x[group, 128 * kc + 32 * thread: 128 * kc + 32 * thread + 32]     # its 16 words
+                b[2 * thread: 2 * thread + 2, group] = lane_x[4 * p: 4 * p + 2]            # word 2p
+                b[2 * thread + 8: 2 * thread + 10, group] = lane_x[4 * p + 2: 4 * p + 4]   # word 2p + 1
+                for i in range(8):
+                    a[_fragment_place(lane, i)] = _fragment_element(flat, k // 128, 0, kc, p, lane, i)
+            d += a @ b
+    assert torch.equal(d, levels.double() @ x.t())
 
 
 def test_int4_fragment_layout_takes():

@@ -507,8 +507,9 @@ GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 b
 GEMV_MMA = False      # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout: products of ≤ 16
                       # rows on mma.sync (kernels/int4_mma.py), more rows dequantized for cuBLAS; wins over the pairs
                       # of GEMV_SILU and the fp16 scales of GEMV_HALF_SCALES, which that kernel does not read. Off:
-                      # both versions are slower than the CUDA-core GEMV at one row (second: qkv 10.0 vs 7.7 µs;
-                      # 1.4-2.1x faster at 4 rows) and per-channel int4 with zero points fails its GPU test
+                      # the second version was slower than the CUDA-core GEMV at one row (qkv 10.0 vs 7.7 µs); the
+                      # third (16-byte loads, bf16 without the FMAs: 2.0 instead of 3.2 instructions per value in
+                      # sm_90 SASS) has not run on a GPU yet
 GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
 
 
