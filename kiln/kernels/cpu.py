@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
-from . import ReferenceOps, quant
+from . import ReferenceOps, quant, reference
+from .metadata import AttentionMetadata
 
 INT8_LAYOUT = "cpu_int8"     # weight int8 (out, in) as stored; weight_scale bfloat16 (out,)
 INT4_LAYOUT = "cpu_int4"     # weight: _convert_weight_to_int4pack_for_cpu; weight_scale: scales_and_zeros
@@ -108,10 +110,54 @@ def _agrees(algo: str, params: dict) -> bool:
     return bool(((out - ref).norm() / ref.norm()) < 2e-2)
 
 
+# --- decode steps: fewer, larger torch calls (on a CPU each call costs microseconds) ----------------------------
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     sliding_window: int | None, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """reference.paged_attention for a step of one query token per sequence: each sequence's cache blocks gathered
+    whole (one index_select per cache half instead of one gathered row per key) and its query heads attending as
+    they are laid out (no gather of q, no mask-select of the output)."""
+    batch, heads, dim = q.shape
+    kv_heads = kv_cache.shape[-2]
+    if "cpu_decode" not in meta.scratch:                    # once per step, shared by all layers
+        keys = torch.arange(meta.block_tables.shape[1] * meta.tokens_per_block)
+        allowed = keys < meta.seq_lens[:, None]
+        if sliding_window is not None:
+            allowed &= keys > meta.seq_lens[:, None] - 1 - sliding_window
+        meta.scratch["cpu_decode"] = (meta.block_tables.flatten(), allowed[:, None, None, :])
+    blocks, allowed = meta.scratch["cpu_decode"]
+    k = kv_cache[0].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)    # (B, KH, K, D)
+    v = kv_cache[1].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)
+    if kv_scale is not None:                                # a quantized cache
+        k, v = (k.float() * kv_scale[0]).to(q.dtype), (v.float() * kv_scale[1]).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=allowed,
+                                         scale=scale)
+    return out.reshape(batch, heads, dim)
+
+
 class CpuOps(ReferenceOps):
-    """ReferenceOps with quantized layers on PyTorch's CPU kernels (chosen by select_ops for CPU devices)."""
+    """ReferenceOps with quantized layers on PyTorch's CPU kernels (chosen by select_ops for CPU devices), and
+    decode steps' attention and rotary embedding in fewer torch calls."""
 
     name = "cpu"
+
+    @staticmethod
+    def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
+                       kv_scale=None):
+        """ReferenceOps.rope_and_cache with q and k rotated together (one rotation, the same values)."""
+        t = qkv.shape[0]
+        if "cos_sin" not in meta.scratch:
+            meta.scratch["cos_sin"] = cos_sin[positions].unsqueeze(1)
+        rotated = reference.rotate(qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim),
+                                   meta.scratch["cos_sin"])
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+        reference.write_kv(rotated[:, heads:], v, kv_cache, meta.slot_mapping, kv_scale)
+        return rotated[:, :heads]
+
+    @staticmethod
+    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
+        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+            return decode_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
     @staticmethod
     def pack_quant(algo: str, params: dict, gated: bool = False):

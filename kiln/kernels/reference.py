@@ -26,18 +26,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(residual, weight, eps), residual
 
 
+def rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) rotated by cos_sin gathered for its tokens, (T, 1, D) = [cos | sin] halves."""
+    cos, sin = cos_sin.chunk(2, dim=-1)                          # (T, 1, D/2) each
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q (T, H, D) and k (T, KH, D) by their positions; cos_sin is (P, D) = [cos | sin] halves,
     or already gathered for these positions, (T, 1, D)."""
     if cos_sin.dim() == 2:
         cos_sin = cos_sin[positions].unsqueeze(1)
-    cos, sin = cos_sin.chunk(2, dim=-1)                          # (T, 1, D/2) each
-
-    def rotate(x):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    return rotate(q, cos_sin), rotate(k, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

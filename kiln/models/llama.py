@@ -79,7 +79,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def quant_params(self) -> dict:
-        params = dict(self.named_buffers(recurse=False))
+        # named_buffers(recurse=False) without its generator machinery: this runs for every layer of every step
+        params = {name: t for name, t in self._buffers.items() if t is not None}
         return params if self.layout is None else {**params, "layout": self.layout}
 
     def use_kernel_layout(self) -> None:
