@@ -18,7 +18,8 @@ same for any order of its reduction as long as A and B agree, and the kernel's i
 the chunk, so that lane t's B fragments for all eight planes are x's 32 contiguous columns 32t … 32t + 31 (64
 bytes, four 16-byte loads; words 2p, 2p + 1 are plane p's). Each group's scale and zero point are applied to a
 chunk's float32 sums (fresh mma accumulators per chunk): Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x) for the A
-operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from a second mma on a ones matrix. Chunks of 128 columns hold one group: g128 or one group per row.
+operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from a second mma on a ones matrix. Chunks of 128
+columns hold one group: g128 or one group per row.
 
 B is x: lane (g, t) supplies column g (x row min(g, rows - 1)), so column n of the result is x row n; lane (g, t)
 receives columns 2t and 2t + 1. The kernel is written in Gluon (Triton's explicit-layout language), so that which

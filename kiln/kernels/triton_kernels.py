@@ -869,9 +869,10 @@ def weight_only_gemv(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, scale
                      zero: torch.Tensor | None, bits: int, config: tuple | None = None, silu: bool = False,
                      residual: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """x (at most GEMV_MAX_ROWS rows: decoding) @ dequant(w)^T for interleaved weights (interleave_weight),
-    reading each weight byte once. config: (BLOCK_N, BLOCKS, PREFETCH). x may be a DeferredNorm (normalized as it is loaded). silu: the rows alternate
-    gate, up (pair_gate_up_rows) and the result is SiLU(gate)·up, (rows, N/2). residual: the product is added to
-    it in place and returned as a ResidualSum with the sums of squares of its programs."""
+    reading each weight byte once; config: (BLOCK_N, BLOCKS, PREFETCH), gemv_config's by default. x may be a
+    DeferredNorm (normalized as it is loaded). silu: the rows alternate gate, up (pair_gate_up_rows) and the result
+    is SiLU(gate)·up, (rows, N/2). residual: the product is added to it in place and returned as a ResidualSum with
+    the sums of squares of its programs."""
     from .quant import int4_group_size
 
     normed = isinstance(x, DeferredNorm)
@@ -1067,6 +1068,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a few long rows (greedy decoding over a vocabulary) in two small kernels: torch's
     reduction gives one row to one block (~36 µs for 128k logits on an H200). Ties go to the first column and a NaN
     beats every number, as in torch's."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     rows, vocab = x.shape
     chunks = triton.cdiv(vocab, ARGMAX_CHUNK)
     values = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
