@@ -90,16 +90,16 @@ def unpack(words: torch.Tensor) -> torch.Tensor:
 
 
 if gluon is not None:
-    # One lane's word → four pairs of levels - 8 (OR-ed into the mantissa of M, then M + 8 subtracted: exact) →
-    # D += A·B, E += ones·B (the sums of x's columns over the plane).
+    # One lane's word → four pairs of levels OR-ed into the mantissa of M (M + q, exact; fp16 then subtracts M + 8:
+    # signed levels) → D += A·B, E += ones·B (the sums of x's columns over the plane).
     def _plane_asm(fp16: bool) -> str:
-        kind, magic, one, minus = (("f16", "0x64006400", "0x3C003C00", "0xE408E408") if fp16 else
-                                   ("bf16", "0x43004300", "0x3F803F80", "0xC308C308"))
+        kind, magic, one = ("f16", "0x64006400", "0x3C003C00") if fp16 else ("bf16", "0x43004300", "0x3F803F80")
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
         signed = f"fma.rn.{kind}x2 a{{i}}, a{{i}}, one, minus;" if fp16 else ""
         level = " ".join(f"lop3.b32 a{i}, s{i}, 0x000F000F, {magic}, 0xEA; " + signed.format(i=i) for i in range(4))
+        minus = "mov.b32 minus, 0xE408E408; " if fp16 else ""
         return ("{ .reg .b32 a0, a1, a2, a3, s0, s1, s2, s3, one, minus; .reg .f32 e2, e3, z; "
-                f"mov.b32 one, {one}; mov.b32 minus, {minus}; mov.f32 z, 0f00000000; "
+                f"mov.b32 one, {one}; {minus}mov.f32 z, 0f00000000; "
                 "mov.b32 s0, $6; shr.u32 s1, $6, 4; shr.u32 s2, $6, 8; shr.u32 s3, $6, 12; "
                 f"{level} "
                 f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{$7, $8}}, {{$9, $10, $11, $12}}; "

@@ -714,6 +714,9 @@ def _store_row(out_ptr, sumsq_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.
         tl.store(out_ptr + row * N + n, y, mask=n_ok)
 
 
+_UNIT = tl.constexpr(2.0 ** 64)     # _unpack's products are v·x·2^-64
+
+
 @triton.jit
 def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, K, ROW_WORDS, GROUPS, num_blocks,
                     inv0, inv1, inv2, inv3, acc0, acc1, acc2, acc3,
@@ -724,7 +727,6 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, 
     VALS: tl.constexpr = 32 // BITS
     COLS: tl.constexpr = 4 * VALS
     W: tl.constexpr = 4 * BLOCKS
-    UNIT: tl.constexpr = 2.0 ** 64                            # _unpack's products are v·x·2^-64
     kw = 4 * b0 + tl.arange(0, W)
     cols = ((kw // 4) * COLS + kw % 4)[None, :]              # column of each word's value 0
     x_ok = None if EVEN else (kw < ROW_WORDS)[None, :]
@@ -751,7 +753,7 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, 
             p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, norm_w, inv3, p3, x3, NORM_X)
     if BITS == 8:                                            # the row's scale comes at the end
         scale = 1.0
-        zero = 128.0 / UNIT
+        zero = 128.0 / _UNIT
     else:
         blk = b0 + tl.arange(0, BLOCKS)
         if GROUP == 0:
@@ -761,11 +763,11 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, norm_w_ptr, 
         ok = None if EVEN else n_ok[:, None] & (blk < num_blocks)[None, :]
         if HAS_ZERO:
             scale, zero = load_scale_zero(scale_ptr, zero_ptr, at, ok, HALF_SCALES)
-            scale = UNIT * scale
-            zero = zero / UNIT
+            scale = _UNIT * scale
+            zero = zero / _UNIT
         else:
-            scale = UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
-            zero = 8.0 / UNIT
+            scale = _UNIT * tl.load(scale_ptr + at, mask=ok, other=None if EVEN else 0.0)
+            zero = 8.0 / _UNIT
     acc0 = _add_blocks(acc0, p0, x0, scale, zero, BLOCK_N, BLOCKS)
     if ROWS > 1:
         acc1 = _add_blocks(acc1, p1, x1, scale, zero, BLOCK_N, BLOCKS)
@@ -781,7 +783,7 @@ def _store_rows(out_ptr, sumsq_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, 
                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SILU: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
     """Every x row's products with the weight rows n (int8: times each row's scale)."""
     if BITS == 8:
-        row_scale = 2.0 ** 64 * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
+        row_scale = _UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     else:
         row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
     _store_row(out_ptr, sumsq_ptr, acc0, 0, n, n_ok, row_scale, N, BLOCK_N, SILU, ADD_RESIDUAL)
@@ -1065,8 +1067,8 @@ def _argmax_rows_kernel(value_ptr, index_ptr, out_ptr, CHUNKS, CHUNKS_PAD: tl.co
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) of a few long rows (greedy decoding over a vocabulary) in two small kernels: torch's
-    reduction gives one row to one block (~36 µs for 128k logits on an H200). Ties go to the first column and a NaN
+    """x.argmax(dim=-1) of rows over a vocabulary (greedy decoding) in two small kernels: torch's reduction gives
+    one row to one block (~36 µs for 128k logits on an H200). Ties go to the first column and a NaN
     beats every number, as in torch's."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, vocab = x.shape
