@@ -652,18 +652,20 @@ def attn_split(args):
         _decode_attention_variants(f"attn_split_b{batch}_keys{keys}", batch, keys, torch.bfloat16, {
             label: lambda max_keys, b=batch, on=split: split_parts(max_keys, b, on)
             for label, split in (("old", False), ("split", True))})
-    triton_argmax = model_runner.ModelRunner._argmax
+    from kiln.kernels import reference
+    from kiln.kernels import triton_kernels as tk
+    triton_argmax = tk.argmax_rows                      # read by TritonOps when an LLM loads its network
     for algo in (None, "W4A16_AWQ"):
         engine = _latency_engine(algo, 128)
         for split, argmax in ((False, False), (True, False), (True, True)):
             model_runner.SPLIT_SMALL_BATCHES = split
-            model_runner.ModelRunner._argmax = triton_argmax if argmax else lambda self, rows: rows.argmax(dim=-1)
+            tk.argmax_rows = triton_argmax if argmax else reference.argmax_rows
             log(f"attn_split_{'on' if split else 'off'}_{'triton' if argmax else 'torch'}_argmax_{algo or 'bf16'}"
                 "_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
         del engine
         torch.cuda.empty_cache()
     model_runner.SPLIT_SMALL_BATCHES = True
-    model_runner.ModelRunner._argmax = triton_argmax
+    tk.argmax_rows = triton_argmax
 
 
 def _median_ms(seconds: list[float]) -> float | None:

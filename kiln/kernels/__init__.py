@@ -18,6 +18,7 @@ class ReferenceOps:
     rms_norm = staticmethod(reference.rms_norm)
     add_rms_norm = staticmethod(reference.add_rms_norm)
     silu_and_mul = staticmethod(reference.silu_and_mul)
+    argmax_rows = staticmethod(reference.argmax_rows)
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
     quant_linear = staticmethod(quant.quant_linear)
@@ -87,6 +88,7 @@ class TritonOps(ReferenceOps):
         self.rms_norm_fp8 = triton_kernels.rms_norm_fp8
         self.add_rms_norm_fp8 = triton_kernels.add_rms_norm_fp8
         self.silu_and_mul_fp8 = triton_kernels.silu_and_mul_fp8
+        self.argmax_rows = triton_kernels.argmax_rows
 
     def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale=None):
         return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim,

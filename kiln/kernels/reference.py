@@ -41,6 +41,11 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
     return rotate(q, cos_sin), rotate(k, cos_sin)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest column (greedy decoding)."""
+    return x.argmax(dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

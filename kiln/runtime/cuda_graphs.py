@@ -20,6 +20,16 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def bucket_of(sizes: list[int], batch: int) -> int:
+    """The bucket a batch of `batch` sequences replays (itself past the largest)."""
+    return next((s for s in sizes if s >= batch), batch)
+
+
+def bucket_keys(max_keys: int, long_context: int, long: bool) -> int:
+    """The keys a bucket's graph is captured for: its short graph covers sequences up to long_context keys."""
+    return max_keys if long else min(max_keys, long_context)
+
+
 class CudaGraphs:
     def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
                  tokens_per_block: int, parts_for, long_context: int):
@@ -46,7 +56,8 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         max_keys = self.width * tokens_per_block
         for size in sorted(self.sizes, reverse=True):      # largest first: later graphs reuse its pool
-            short, long = parts_for(size, min(max_keys, long_context)), parts_for(size, max_keys)
+            short = parts_for(size, bucket_keys(max_keys, long_context, False))
+            long = parts_for(size, bucket_keys(max_keys, long_context, True))
             self._capture(size, False, short)
             if long != short:
                 self._capture(size, True, long)
@@ -79,7 +90,7 @@ class CudaGraphs:
         """Logits (n, vocab), in the model's dtype, of n one-token sequences (`long`: some sequence is past
         LONG_CONTEXT keys); `fill` = (rows, device tokens): input ids that are only on the device yet."""
         n, b = len(input_ids), self.max_batch
-        size = next(s for s in self.sizes if s >= n)
+        size = bucket_of(self.sizes, n)
         self.turn ^= 1
         host_buffer = self.host_buffers[self.turn]
         host = host_buffer.numpy()

@@ -154,23 +154,13 @@ class ModelRunner:
             from .kernel_cache import count_entries
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
-    def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens of logit rows: with the Triton kernels, their argmax (torch's reduction gives one block to a
-        row: ~36 µs a batch-1 step of the 8B model)."""
-        if self.net.ops.name == "triton" and rows.is_cuda:
-            from kiln.kernels.triton_kernels import argmax_rows
-            return argmax_rows(rows)
-        return rows.argmax(dim=-1)
-
     def _graph_parts(self, batch: int, max_seq_len: int) -> tuple[int, int | None]:
         """Split-K partitions of a one-token step run without a graph, as the CUDA graph of its bucket has them (its
         long-sequence graph past LONG_CONTEXT): the same split, so the same roundings, in a graph or not."""
-        from .cuda_graphs import bucket_sizes
+        from .cuda_graphs import bucket_keys, bucket_of, bucket_sizes
 
-        keys = self.max_blocks_per_seq * self.tokens_per_block
-        if max_seq_len <= LONG_CONTEXT:
-            keys = min(keys, LONG_CONTEXT)
-        return self._parts(next((s for s in bucket_sizes(self.max_decode_batch) if s >= batch), batch), keys)
+        keys = bucket_keys(self.max_blocks_per_seq * self.tokens_per_block, LONG_CONTEXT, max_seq_len > LONG_CONTEXT)
+        return self._parts(bucket_of(bucket_sizes(self.max_decode_batch), batch), keys)
 
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
         """Split-K partitions for a decode step of `batch` sequences (decode_partitions)."""
@@ -239,7 +229,7 @@ class ModelRunner:
         logits = self.run_step(step, fill)                                            # (rows, V)
         launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits)
         if defer and ends and self._deferrable(out, launch.row_of):
-            launch.defer(self._argmax(launch.rows))
+            launch.defer(self.net.ops.argmax_rows(launch.rows))
         return launch
 
     def finish(self, launch: "Launch") -> tuple[ModelStepOutput, StepLogits]:
@@ -356,7 +346,7 @@ class ModelRunner:
         if simple:                                    # batched greedy: one argmax, one copy to the host
             order = [row_of[r.seqs[0].seq_id] for r in simple]
             chosen = rows if order == list(range(rows.shape[0])) else rows[self._tensor(order)]
-            picks = self._argmax(chosen).tolist()
+            picks = self.net.ops.argmax_rows(chosen).tolist()
             for request, token in zip(simple, picks):
                 result.tokens[request.request_id] = [SampledToken(0, token)]
         simple_ids = {id(r) for r in simple}
