@@ -362,20 +362,24 @@ def test_decode_partitions_fill_the_gpu(monkeypatch):
     assert decode_partitions(32 * 8, 1024, True) == (8, 128)       # ceil(1024·256 / 2048) = 128 keys
     assert decode_partitions(256 * 8, 2048, True) == (4, 512)
     assert decode_partitions(8, 64, True) == (1, None)
-    for one_warp in (False, True):
-        unit = 16 if one_warp else 64
-        for programs in (1, 8, 100, 1000, 3000):
-            for keys in (1, 63, 65, 700, 5000, 100000):
-                parts, part = decode_partitions(programs, keys, one_warp)
-                assert parts == 1 or (part % unit == 0 and (parts - 1) * part < keys <= parts * part)
+    _partitions_cover_the_keys(one_warp=False)
+    _partitions_cover_the_keys(one_warp=True)
     monkeypatch.setattr(model_runner, "SPLIT_SMALL_BATCHES", False)
     assert decode_partitions(8, 4096, False) == (8, 512)
     assert decode_partitions(8, 400, False) == (1, None)
     assert decode_partitions(8, 1024, True) == (16, 64)            # one-warp programs split regardless
+    _partitions_cover_the_keys(one_warp=True)
+
+
+def _partitions_cover_the_keys(one_warp: bool) -> None:
+    """Every split has whole steps (16 keys for one warp, a 64-key tile otherwise) and no empty last partition."""
+    from kiln.runtime.model_runner import decode_partitions
+
+    unit = 16 if one_warp else 64
     for programs in (1, 8, 100, 1000, 3000):
         for keys in (1, 63, 65, 700, 5000, 100000):
-            parts, part = decode_partitions(programs, keys, True)
-            assert parts == 1 or (part % 16 == 0 and (parts - 1) * part < keys <= parts * part)
+            parts, part = decode_partitions(programs, keys, one_warp)
+            assert parts == 1 or (part % unit == 0 and (parts - 1) * part < keys <= parts * part)
 
 
 def test_gc_threshold_is_raised_while_serving_and_restored(llama):
