@@ -314,22 +314,22 @@ def int4_mma(args):
                    for _ in range(copies)]
         scales = [torch.rand((n, groups), device="cuda") * 1e-2 for _ in range(copies)]
         zeros = [torch.rand((n, groups), device="cuda") * 15 for _ in range(copies)]
+        grids = [mma.pack_grid(s, z) for s, z in zip(scales, zeros)]
         result = {}
         for rows in (1, 4, 8, 16):
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
-            for warps in (4, 8, 16) if rows == 1 else (mma.NUM_WARPS,):
-                sec = _graph_seconds([lambda w=w, s=s, z=z: mma.gemv(x, w, s, z, tk._launch(), warps)
-                                      for w, s, z in zip(weights, scales, zeros)])
+            for warps in (4, 8, 16) if rows == 1 else (mma.num_warps(n, x.device),):
+                sec = _graph_seconds([lambda w=w, q=q: mma.gemv(x, w, q, tk._launch(), warps)
+                                      for w, q in zip(weights, grids)])
                 result[f"mma_{rows}_w{warps}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
             if rows <= 4:
                 sec = _graph_seconds([lambda w=w, s=s, z=z: tk.weight_only_gemv(x, w.view(torch.uint8), s, z, 4)
                                       for w, s, z in zip(weights, scales, zeros)])
                 result[f"cuda_core_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
-        sec = _graph_seconds([lambda w=w, s=s, z=z: mma.dequantize(w, s, z, torch.bfloat16)
-                              for w, s, z in zip(weights[:2], scales, zeros)])
+        sec = _graph_seconds([lambda w=w, q=q: mma.dequantize(w, q, torch.bfloat16) for w, q in zip(weights[:2], grids)])
         result["dequantize"] = f"{sec * 1e6:.1f}us {(nbytes + n * k * 2) / sec / 1e12:.2f}TB/s"
         log(f"int4_mma_{name}", result)
-        del weights, scales, zeros
+        del weights, scales, zeros, grids
         torch.cuda.empty_cache()
 
 
@@ -443,30 +443,39 @@ def _engine_decode_tok_s(engine, algo: str | None, new_tokens: int, profile: str
     return round(1e3 / result.tpot_ms["p50"], 1)
 
 
-def _set_switches(tk, switches, enabled: set[str]) -> None:
+def _set_switches(tk, switches, enabled: set[str] | dict) -> None:
+    """enabled: the switches on (a set; the others off), or every switch's value (a dict)."""
     for name in switches:
-        setattr(tk, name, name in enabled)
+        setattr(tk, name, enabled[name] if isinstance(enabled, dict) else name in enabled)
 
 
 @phase
 def decode_fusions(args):
     """Batch-1 decode of the weight-only modes (each engine built once) with the decode GEMV's fusions
     (triton_kernels.GEMV_SWITCHES, read when a network is loaded) all off, each alone, all on and all but one;
-    then W4A16_AWQ with an int4 LM head, all on and all but the SiLU epilogue."""
+    then W4A16_AWQ with an int4 LM head, all on and all but the SiLU epilogue. --latency_modes picks the modes
+    (W4A16_AWQ+lm_head for the last part), --fusion_labels the variants (default: the engine's switches,
+    default_but_X: those with X off)."""
     from kiln.kernels import triton_kernels as tk
     switches = tk.GEMV_SWITCHES
     saved = {name: getattr(tk, name) for name in switches}
     variants = [("off", set()), *[(name[5:].lower(), {name}) for name in switches], ("all", set(switches)),
-                *[(f"all_but_{name[5:].lower()}", set(switches) - {name}) for name in switches]]
+                *[(f"all_but_{name[5:].lower()}", set(switches) - {name}) for name in switches],
+                ("default", dict(saved)), *[(f"default_but_{name[5:].lower()}", {**saved, name: False})
+                                            for name in switches if saved[name]]]
+    if args.fusion_labels:
+        variants = [(label, enabled) for label, enabled in variants if label in args.fusion_labels.split(",")]
     log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))
     try:
-        for algo in ("W8A16", "W4A16_AWQ"):
+        for algo in [mode for mode in args.latency_modes.split(",") if "+" not in mode]:
             engine = _latency_engine(algo, 128)
             for label, enabled in variants:
                 _set_switches(tk, switches, enabled)
                 log(f"decode_fusions_{label}_{algo}_bs1_tok_s", _engine_decode_tok_s(engine, algo, 128))
             del engine
             torch.cuda.empty_cache()
+        if "W4A16_AWQ+lm_head" not in args.latency_modes.split(","):
+            return
         engine = _latency_engine("W4A16_AWQ", 128, lm_head=True)        # the LM head quantized too
         for label, enabled in (("all", set(switches)), ("all_but_silu", set(switches) - {"GEMV_SILU"})):
             _set_switches(tk, switches, enabled)
@@ -794,6 +803,8 @@ def main():
     p.add_argument("--max_batch_sweep", action="store_true")
     p.add_argument("--test_timeout", type=int, default=400)
     p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
+    p.add_argument("--fusion_labels", default="", help="decode_fusions' variants to run (off, silu, ..., all, "
+                   "all_but_mma; empty: every one)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")

@@ -238,18 +238,19 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     from kiln.kernels import triton_kernels as tk
 
     monkeypatch.setattr(tk, "GEMV_MMA", True)
+    monkeypatch.setattr(tk, "_prefers_mma", lambda shape, device: True)      # every shape in the fragment layout
     g = torch.Generator(device="cuda").manual_seed(n + k + (group or 0))
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
     layout, packed = tk.pack_quant(algo, params)
     assert layout.fragments
     assert torch.equal(int4_mma.unpack(packed["weight"]), params["weight"])
     dequant = quant.dequantize_weight(algo, params)
-    scale, zero = params["weight_scale"], params.get("weight_zero")
-    assert torch.equal(int4_mma.dequantize(packed["weight"], scale, zero, dtype), dequant.to(dtype))
+    assert packed["weight_zero"] is None and packed["weight_scale"].shape[2:] == (8, 4)
+    assert torch.equal(int4_mma.dequantize(packed["weight"], packed["weight_scale"], dtype), dequant.to(dtype))
     for rows in (1, 2, 3, 7, 8, 9, 16):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         ref = x.double() @ dequant.double().t()
-        out = int4_mma.gemv(x, packed["weight"], scale, zero)
+        out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"])
         assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, rel_err(out, ref))
     for rows in (1, 16, 17):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)

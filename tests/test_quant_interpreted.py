@@ -366,5 +366,5 @@ def test_interpreted_int4_fragment_dequantize(interpreted, group):
 
     g = torch.Generator().manual_seed(10)
     packed, scale, zero = quant.quantize_int4(torch.randn(32, 256, generator=g), group, True)
-    out = int4_mma.dequantize(int4_mma.pack(packed), scale, zero, torch.float32)
+    out = int4_mma.dequantize(int4_mma.pack(packed), int4_mma.pack_grid(scale, zero), torch.float32)
     assert torch.equal(out, quant.dequantize_int4(packed, scale, zero))

@@ -504,12 +504,15 @@ GEMV_NORMS = False    # o/down GEMVs add the residual and sum its squares; qkv/g
 GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 bytes a group instead of 8) where fp16
                           # holds them. GPU tests pass; never slower in three H200 runs: W4A16_AWQ 392.6 -> 393.8,
                           # 371.4 -> 403.2, 392.7 -> 400.6 tok/s (docs/performance.md, sixth session)
-GEMV_MMA = False      # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout: products of ≤ 16
-                      # rows on mma.sync (kernels/int4_mma.py), more rows dequantized for cuBLAS; wins over the pairs
-                      # of GEMV_SILU and the fp16 scales of GEMV_HALF_SCALES, which that kernel does not read. Off:
-                      # the second version was slower than the CUDA-core GEMV at one row (qkv 10.0 vs 7.7 µs); the
-                      # third (16-byte loads, bf16 without the FMAs: 2.0 instead of 3.2 instructions per value in
-                      # sm_90 SASS) has not run on a GPU yet
+GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout and run faster on
+                      # it (_prefers_mma): products of ≤ 16 rows on mma.sync (kernels/int4_mma.py), more rows
+                      # dequantized for cuBLAS; wins over the pairs of GEMV_SILU and the fp16 scales of
+                      # GEMV_HALF_SCALES, which that kernel does not read. H200, one row (eighth session): o 6.1 ->
+                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core
+# (N, K) → whether int4_mma's one-row product beat the CUDA-core GEMV (benchmarks/gpu_suite.py --phases int4_mma and
+# the decode GEMV's, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row blocks per SM,
+# as those two do (the CUDA-core GEMV lags with few, long rows)
+GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): False, (28672, 4096): False}
 GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
 
 
@@ -574,7 +577,8 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     weight = params["weight"]
     grid = {name: params[name] for name in ("weight_scale", "weight_zero") if name in params}
     if bits == 4 and _takes_fragments(params):
-        return Interleaved(fragments=True), {"weight": int4_mma.pack(weight), **grid}
+        return Interleaved(fragments=True), {"weight": int4_mma.pack(weight), "weight_scale": int4_mma.pack_grid(
+            params["weight_scale"], params.get("weight_zero")), "weight_zero": None}
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
     tensors = {"weight": interleave_weight(weight, bits), **grid}
@@ -590,9 +594,17 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
 
 def _takes_fragments(params: dict) -> bool:
     weight = params["weight"]
+    shape = (weight.shape[0], weight.shape[1] * 2)
     return (GEMV_MMA and int4_mma.available(weight.device)
-            and int4_mma.takes((weight.shape[0], weight.shape[1] * 2), params["weight_scale"].reshape(
-                weight.shape[0], -1).shape[1]))
+            and int4_mma.takes(shape, params["weight_scale"].reshape(weight.shape[0], -1).shape[1])
+            and _prefers_mma(shape, weight.device))
+
+
+def _prefers_mma(shape: tuple[int, int], device: torch.device) -> bool:
+    """Whether an int4 (N, K) layer's decode products run faster on int4_mma than on the CUDA-core GEMV."""
+    if shape in GEMV_MMA_MEASURED:
+        return GEMV_MMA_MEASURED[shape]
+    return shape[0] // int4_mma.ROW_BLOCK <= 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 FP16_ZERO_LIMIT = 64.0     # below it fp16 holds a zero point to 1/64 of a level (int4 rounding itself: ±1/2)
@@ -992,10 +1004,10 @@ def _fragments(params: dict) -> bool:
 def _fragment_product(x: torch.Tensor, params: dict) -> torch.Tensor:
     """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ 16 rows of bf16/fp16, otherwise the
     weight dequantized to x's dtype for cuBLAS."""
-    weight, scale, zero = params["weight"], params["weight_scale"], params.get("weight_zero")
+    weight, grid = params["weight"], params["weight_scale"]                   # int4_mma.pack_grid's
     if x.shape[0] <= int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-        return int4_mma.gemv(x, weight, scale, zero, _launch())
-    return x @ int4_mma.dequantize(weight, scale, zero, x.dtype).t()
+        return int4_mma.gemv(x, weight, grid, _launch())
+    return x @ int4_mma.dequantize(weight, grid, x.dtype).t()
 
 
 def _layer_gemv(x, algo: str, params: dict, **options):
