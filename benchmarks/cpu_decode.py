@@ -3,7 +3,7 @@
 Decode rate = 128 / (time(129 new tokens) - time(1 new token)), best of --repeats, same prompt, greedy.
     python benchmarks/cpu_decode.py [--dtype float32] [--repeats 3] [--skip-hf]
         [--quant_algo W8A16|W4A16|W4A16_AWQ|W4A16_GPTQ|FP8|... [--group_size 128] [--calib_size 4]
-         [--round_to_nearest]]
+         [--round_to_nearest] [--quantize_lm_head]]
         [--ops cpu|reference|both]
 A quantized model is quantized here from the same weights (kiln.quantization.quantize_model); --ops reference runs
 it on ReferenceOps (the pure-torch oracle, dequantizing on every call) instead of the CPU's CpuOps.
@@ -83,14 +83,18 @@ def main():
     p.add_argument("--group_size", type=int, default=128, help="int4 group size of W4A16_AWQ / W4A16_GPTQ")
     p.add_argument("--calib_size", type=int, default=4, help="calibration sequences for the quantization")
     p.add_argument("--round_to_nearest", action="store_true", help="skip AWQ's / GPTQ's searches")
+    p.add_argument("--quantize_lm_head", action="store_true", help="the LM head quantized too (as llama.cpp's files)")
     p.add_argument("--ops", choices=["cpu", "reference", "both"], default="cpu",
                    help="the CPU's kernels (select_ops), the reference ones, or both in turn")
     args = p.parse_args()
-    quant_config = QuantConfig(args.quant_algo, group_size=args.group_size) if args.quant_algo else None
+    quant_config = QuantConfig(args.quant_algo, group_size=args.group_size,
+                               exclude_modules=[] if args.quantize_lm_head else ["lm_head"]) if args.quant_algo else None
     model = kiln_model(args.dtype, quant_config, args.calib_size, args.round_to_nearest)
     result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "quant_algo": args.quant_algo}
     if args.quant_algo in ("W4A16_AWQ", "W4A16_GPTQ"):
         result["group_size"] = args.group_size
+    if args.quant_algo:
+        result["quantize_lm_head"] = args.quantize_lm_head
     for ops in (["cpu", "reference"] if args.ops == "both" else [args.ops]):
         result[f"kiln_{ops}_decode_tok_s"] = round(kiln_rate(model, args.dtype, args.repeats, ops), 1)
     if not args.skip_hf:

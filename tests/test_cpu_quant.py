@@ -173,18 +173,19 @@ def test_cpu_kernels_chosen_by_kiln_cpu_ops(monkeypatch):
         select_ops("cpu")
 
 
+@pytest.mark.parametrize("lens, tables", [([1, 19, 40], [[5], [2, 7], [0, 3, 6]]),   # gathered blocks
+                                          ([40], [[3, 4, 5]]),                         # one sequence: a view
+                                          ([40], [[3, 5, 4]])])                        # one, out of order
 @pytest.mark.parametrize("kv_heads, window, kv_dtype", [(3, None, torch.float32), (1, 7, torch.float32),
                                                         (3, None, torch.int8)])
-def test_decode_steps_attend_and_rotate_as_the_reference(kv_heads, window, kv_dtype):
-    """A decode step of three sequences (1, 19 and 40 keys, blocks of 16, a padded block table): CpuOps' rotary
-    embedding and cache write equal ReferenceOps' bit for bit, its attention the reference's (GQA or one KV head,
-    a sliding window, an int8 cache with scales)."""
+def test_decode_steps_attend_and_rotate_as_the_reference(kv_heads, window, kv_dtype, lens, tables):
+    """A decode step of three sequences (1, 19 and 40 keys, blocks of 16, a padded block table) or of one (its blocks
+    in order: read as a view of the cache, or not): CpuOps' rotary embedding and cache write equal ReferenceOps' bit
+    for bit, its attention the reference's (GQA or one KV head, a sliding window, an int8 cache with scales)."""
     g = torch.Generator().manual_seed(kv_heads)
     heads, dim, block = 9, 64, 16
-    lens = [1, 19, 40]
-    tables = [[5], [2, 7], [0, 3, 6]]
     meta = AttentionMetadata(torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)]),
-                             torch.tensor([0, 1, 2, 3]), torch.tensor(lens),
+                             torch.arange(len(lens) + 1), torch.tensor(lens),
                              torch.tensor([t + [1] * (3 - len(t)) for t in tables]), 1, max(lens), block)
     filled = torch.randn(2, 8, block, kv_heads, dim, generator=g)
     kv_scale = torch.tensor([0.05, 0.04]) if kv_dtype == torch.int8 else None
@@ -192,7 +193,7 @@ def test_decode_steps_attend_and_rotate_as_the_reference(kv_heads, window, kv_dt
     for _ in range(2):
         cache = reference.quantize_kv(filled, kv_scale[0] if kv_scale is not None else None, kv_dtype)
         caches.append(cache.clone())
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=g)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)
     positions = torch.tensor(lens) - 1
     cos_sin = torch.randn(64, dim, generator=g)
     q_ref = ReferenceOps.rope_and_cache(qkv, meta, positions, cos_sin, caches[0], heads, kv_heads, dim, kv_scale)
@@ -202,3 +203,4 @@ def test_decode_steps_attend_and_rotate_as_the_reference(kv_heads, window, kv_dt
     ref = reference.paged_attention(q_ref, caches[0], meta, dim ** -0.5, window, kv_scale)
     out = cpu.CpuOps.attention(q_cpu, caches[1], meta, dim ** -0.5, window, kv_scale)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert isinstance(meta.scratch["cpu_decode"][0], int) == (tables == [[3, 4, 5]])      # the view, where it applies

