@@ -455,14 +455,16 @@ def decode_fusions(args):
     (triton_kernels.GEMV_SWITCHES, read when a network is loaded) all off, each alone, all on and all but one;
     then W4A16_AWQ with an int4 LM head, all on and all but the SiLU epilogue. --latency_modes picks the modes
     (W4A16_AWQ+lm_head for the last part), --fusion_labels the variants (default: the engine's switches,
-    default_but_X: those with X off)."""
+    default_but_X: those with X off, default_mma_all: every int4 layer on int4_mma, default_silu_all: int4 gate_up
+    on paired rows too)."""
     from kiln.kernels import triton_kernels as tk
     switches = tk.GEMV_SWITCHES
     saved = {name: getattr(tk, name) for name in switches}
     variants = [("off", set()), *[(name[5:].lower(), {name}) for name in switches], ("all", set(switches)),
                 *[(f"all_but_{name[5:].lower()}", set(switches) - {name}) for name in switches],
                 ("default", dict(saved)), *[(f"default_but_{name[5:].lower()}", {**saved, name: False})
-                                            for name in switches if saved[name]]]
+                                            for name in switches if saved[name]],
+                ("default_mma_all", {**saved, "GEMV_MMA": "all"}), ("default_silu_all", {**saved, "GEMV_SILU": True})]
     if args.fusion_labels:
         variants = [(label, enabled) for label, enabled in variants if label in args.fusion_labels.split(",")]
     log("decode_fusions_bf16_bs1_tok_s", _decode_tok_s(None, new_tokens=128))

@@ -339,9 +339,7 @@ class LLM:
         if workers is not None:
             workers.stop()
         if parallel is not None:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            parallel.close()
 
     def __enter__(self):
         return self

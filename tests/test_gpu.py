@@ -237,8 +237,7 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     from kiln.kernels import int4_mma, quant
     from kiln.kernels import triton_kernels as tk
 
-    monkeypatch.setattr(tk, "GEMV_MMA", True)
-    monkeypatch.setattr(tk, "_prefers_mma", lambda shape, device: True)      # every shape in the fragment layout
+    monkeypatch.setattr(tk, "GEMV_MMA", "all")                  # every shape in the fragment layout
     g = torch.Generator(device="cuda").manual_seed(n + k + (group or 0))
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
     layout, packed = tk.pack_quant(algo, params)

@@ -14,6 +14,7 @@ Steps travel over a gloo group even on GPUs (a pickled Step is host data; NCCL w
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import traceback
@@ -125,6 +126,16 @@ class ParallelContext:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.control)
         return bool(t.item())
 
+    def close(self) -> None:
+        """Destroy the process groups now, while the interpreter runs. Left to the interpreter's exit, a gloo thread
+        still freeing the tensors of the last collective finds it finalizing and aborts the process ("terminate
+        called without an active exception", a rank exiting -6 after its work was done)."""
+        self.comm.close()                            # the layers share this object: their group goes too
+        self.control = None
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+        gc.collect()                                 # the groups' last references: their threads join here
+
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
@@ -199,10 +210,7 @@ def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_
             while (step := parallel.broadcast_step(None)) is not STOP:
                 runner.run_step(step)
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        parallel.close()
 
 
 def worker_main(rank: int, world_size: int, init_method: str, load_rank, device_type: str, timeout_s: float,

@@ -16,6 +16,9 @@ class Comm:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x
 
+    def close(self) -> None:
+        """Drop the process group (ParallelContext.close destroys it)."""
+
 
 class GroupComm(Comm):
     """The tensor-parallel group of this rank (gloo on CPUs, NCCL on GPUs)."""
@@ -35,6 +38,9 @@ class GroupComm(Comm):
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def close(self) -> None:
+        self.group = None
 
 
 class SymmetricMemoryComm(GroupComm):

@@ -508,7 +508,8 @@ GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor core
                       # it (_prefers_mma): products of ≤ 16 rows on mma.sync (kernels/int4_mma.py), more rows
                       # dequantized for cuBLAS; wins over the pairs of GEMV_SILU and the fp16 scales of
                       # GEMV_HALF_SCALES, which that kernel does not read. H200, one row (eighth session): o 6.1 ->
-                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core
+                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core.
+                      # "all": every int4 layer int4_mma takes
 # (N, K) → whether int4_mma's one-row product beat the CUDA-core GEMV (benchmarks/gpu_suite.py --phases int4_mma and
 # the decode GEMV's, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row blocks per SM,
 # as those two do (the CUDA-core GEMV lags with few, long rows)
@@ -597,7 +598,7 @@ def _takes_fragments(params: dict) -> bool:
     shape = (weight.shape[0], weight.shape[1] * 2)
     return (GEMV_MMA and int4_mma.available(weight.device)
             and int4_mma.takes(shape, params["weight_scale"].reshape(weight.shape[0], -1).shape[1])
-            and _prefers_mma(shape, weight.device))
+            and (GEMV_MMA == "all" or _prefers_mma(shape, weight.device)))
 
 
 def _prefers_mma(shape: tuple[int, int], device: torch.device) -> bool:
