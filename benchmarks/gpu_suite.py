@@ -301,9 +301,10 @@ def _gemv_sweep(bits: int, zero: bool):
 @phase
 def int4_mma(args):
     """int4 g128 with zero points on the 8B shapes, one kernel in a CUDA graph over enough weight copies that L2
-    holds none: the tensor-core product (kernels/int4_mma.py) at 1/4/8/16 rows (4, 8 and 16 warps at one row)
-    against the CUDA-core GEMV (its engine configuration, 1 and 4 rows), and the dequantize kernel; µs and TB/s of
-    the bytes each must read."""
+    holds none: the tensor-core product (kernels/int4_mma.py, its pack_grid) at 1/4/8/16 rows (2, 4, 8 and 16 warps
+    at one row) against the CUDA-core GEMV (its engine configuration and fp16 scale pairs, 1 and 4 rows), and the
+    dequantize kernel; µs and TB/s of the bytes each must read (float32 grid: the CUDA-core GEMV reads half its
+    scale bytes)."""
     from kiln.kernels import int4_mma as mma
     from kiln.kernels import triton_kernels as tk
     for name, (n, k) in QUANT_SHAPES.items():
@@ -315,21 +316,22 @@ def int4_mma(args):
         scales = [torch.rand((n, groups), device="cuda") * 1e-2 for _ in range(copies)]
         zeros = [torch.rand((n, groups), device="cuda") * 15 for _ in range(copies)]
         grids = [mma.pack_grid(s, z) for s, z in zip(scales, zeros)]
+        pairs = [tk.half_scale_pairs(s, z) for s, z in zip(scales, zeros)]
         result = {}
         for rows in (1, 4, 8, 16):
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
-            for warps in (4, 8, 16) if rows == 1 else (mma.num_warps(n, x.device),):
+            for warps in (2, 4, 8, 16) if rows == 1 else (mma.num_warps(n, x.device),):
                 sec = _graph_seconds([lambda w=w, q=q: mma.gemv(x, w, q, tk._launch(), warps)
                                       for w, q in zip(weights, grids)])
                 result[f"mma_{rows}_w{warps}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
             if rows <= 4:
-                sec = _graph_seconds([lambda w=w, s=s, z=z: tk.weight_only_gemv(x, w.view(torch.uint8), s, z, 4)
-                                      for w, s, z in zip(weights, scales, zeros)])
+                sec = _graph_seconds([lambda w=w, p=p: tk.weight_only_gemv(x, w.view(torch.uint8), p, None, 4)
+                                      for w, p in zip(weights, pairs)])
                 result[f"cuda_core_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
         sec = _graph_seconds([lambda w=w, q=q: mma.dequantize(w, q, torch.bfloat16) for w, q in zip(weights[:2], grids)])
         result["dequantize"] = f"{sec * 1e6:.1f}us {(nbytes + n * k * 2) / sec / 1e12:.2f}TB/s"
         log(f"int4_mma_{name}", result)
-        del weights, scales, zeros, grids
+        del weights, scales, zeros, grids, pairs
         torch.cuda.empty_cache()
 
 
