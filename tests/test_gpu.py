@@ -251,13 +251,13 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
         ref = x.double() @ dequant.double().t()
         out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"])
         assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, rel_err(out, ref))
-    for rows in (1, 16, 17):
+    for rows in (1, 16, 17, 32, 33):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)
-        # above MAX_ROWS cuBLAS multiplies the weight rounded to x's dtype: per channel with a float zero point,
-        # each level's rounding repeats over the whole row and adds up with x's mean (1.8e-2 against the exact
-        # weight in bf16, test run of 2026-12-02)
-        weight = dequant if rows <= int4_mma.MAX_ROWS else dequant.to(dtype)
+        # above FRAGMENT_SLICES · MAX_ROWS cuBLAS multiplies the weight rounded to x's dtype: per channel with a float
+        # zero point, each level's rounding repeats over the whole row and adds up with x's mean (1.8e-2 against the
+        # exact weight in bf16, test run of 2026-12-02)
+        weight = dequant if rows <= tk.FRAGMENT_SLICES * int4_mma.MAX_ROWS else dequant.to(dtype)
         assert rel_err(out, x.double() @ weight.double().t()) < 5e-3, rows
 
 

@@ -257,3 +257,27 @@ def test_int4_fragment_layout_takes():
     assert not int4_mma.takes((4096, 4096), 64)            # g64: two groups per chunk
     assert not int4_mma.takes((4008, 4096), 32) and not int4_mma.takes((576, 576), 5)
     assert not int4_mma.available("cpu")
+
+
+@pytest.mark.parametrize("rows, slices", [(1, [1]), (16, [16]), (17, [16, 1]), (32, [16, 16]), (33, [])])
+def test_fragment_products_in_row_slices(rows, slices, monkeypatch):
+    """Products on int4_mma's layout: up to FRAGMENT_SLICES slices of 16 rows go to its kernel one slice at a time
+    and come back in order; more rows to the dequantized weight. (Both kernels stood in for by float products.)"""
+    pytest.importorskip("triton")
+    from kiln.kernels import int4_mma
+    from kiln.kernels import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    seen = []
+
+    def gemv(x, words, grid, launch=None):
+        seen.append(x.shape[0])
+        return x @ w.t()
+
+    monkeypatch.setattr(int4_mma, "gemv", gemv)
+    monkeypatch.setattr(int4_mma, "dequantize", lambda words, grid, dtype: w.to(dtype))
+    monkeypatch.setattr(tk, "_launch", lambda: {})
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    out = tk._fragment_product(x, {"weight": None, "weight_scale": None})
+    assert seen == slices and torch.equal(out, x @ w.t())

@@ -1002,12 +1002,20 @@ def _fragments(params: dict) -> bool:
     return isinstance(layout, Interleaved) and layout.fragments
 
 
+FRAGMENT_SLICES = 2   # products of up to this many 16-row slices of x on int4_mma, more rows dequantized for cuBLAS:
+                      # two slices beat dequantize + cuBLAS (H200, 8B o: 2 × 13.9 vs 22.6 + ~13 µs, down: 2 × 30.4
+                      # vs 74.4 + ~32; eighth session's int4_mma phase); at four they no longer do on o
+
+
 def _fragment_product(x: torch.Tensor, params: dict) -> torch.Tensor:
-    """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ 16 rows of bf16/fp16, otherwise the
-    weight dequantized to x's dtype for cuBLAS."""
+    """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ FRAGMENT_SLICES slices of 16 rows of
+    bf16/fp16, otherwise the weight dequantized to x's dtype for cuBLAS."""
     weight, grid = params["weight"], params["weight_scale"]                   # int4_mma.pack_grid's
-    if x.shape[0] <= int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-        return int4_mma.gemv(x, weight, grid, _launch())
+    rows = x.shape[0]
+    if rows <= FRAGMENT_SLICES * int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        if rows <= int4_mma.MAX_ROWS:
+            return int4_mma.gemv(x, weight, grid, _launch())
+        return torch.cat([int4_mma.gemv(part, weight, grid, _launch()) for part in x.split(int4_mma.MAX_ROWS)])
     return x @ int4_mma.dequantize(weight, grid, x.dtype).t()
 
 
