@@ -131,8 +131,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     else:
         blocks, allowed = plan
         k, v = (kv_cache[i].index_select(0, blocks).view(batch, -1, kv_heads, dim).transpose(1, 2) for i in (0, 1))
-    if kv_scale is not None:                                # a quantized cache
-        k, v = (k.float() * kv_scale[0]).to(q.dtype), (v.float() * kv_scale[1]).to(q.dtype)
+    k, v = reference.dequantize_kv(k, v, kv_scale, q.dtype)
     out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=allowed,
                                          scale=scale)
     return out.reshape(batch, heads, dim)

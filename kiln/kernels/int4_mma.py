@@ -323,11 +323,18 @@ if gluon is not None:
             tl.store(out_ptr + (row * K + col)[:, None] + tl.arange(0, 2)[None, :], both)
 
 
+def few_row_blocks(n: int, device: torch.device) -> bool:
+    """Whether N rows make at most two row blocks per SM: there 8 warps share a block (num_warps), and int4_mma beats
+    the CUDA-core GEMV (triton_kernels._prefers_mma)."""
+    from .triton_weight_only import sm_count
+
+    return n // ROW_BLOCK <= 2 * sm_count(torch.device(device))
+
+
 def num_warps(n: int, device: torch.device) -> int:
-    """Warps sharing a row block's chunks: 8 where there are at most two row blocks per SM (o and down of
-    Llama-3.1-8B: 5.7 -> 5.2 and 15.4 -> 12.2 µs at one row), else 4 (qkv 9.7 -> 8.1, gate_up 32.1 -> 22.9; H200)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 8 if n // ROW_BLOCK <= 2 * sms else 4
+    """Warps sharing a row block's chunks: 8 for few row blocks (o and down of Llama-3.1-8B: 5.7 -> 5.2 and 15.4 ->
+    12.2 µs at one row), else 4 (qkv 9.7 -> 8.1, gate_up 32.1 -> 22.9; H200)."""
+    return 8 if few_row_blocks(n, device) else 4
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,

@@ -60,6 +60,13 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return x.to(dtype)
 
 
+def dequantize_kv(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype):
+    """k and v read from the cache, in `dtype`: times their scales where the cache is quantized (quantize_kv)."""
+    if kv_scale is None:
+        return k, v
+    return (k.float() * kv_scale[0]).to(dtype), (v.float() * kv_scale[1]).to(dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              kv_scale: torch.Tensor | None = None) -> None:
     """Store k, v (T, KH, D) at their slots of kv_cache (2, num_blocks, tokens_per_block, KH, D); a quantized
@@ -101,8 +108,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     group = heads // kv_heads
     k = kv_cache[0].flatten(0, 1)[slots].transpose(1, 2)                       # (B, KH, K, D)
     v = kv_cache[1].flatten(0, 1)[slots].transpose(1, 2)
-    if kv_scale is not None:                                                    # a quantized cache
-        k, v = (k.float() * kv_scale[0]).to(q.dtype), (v.float() * kv_scale[1]).to(q.dtype)
+    k, v = dequantize_kv(k, v, kv_scale, q.dtype)
     b, queries = q_index.shape
     qp = q[q_index].view(b, queries, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, dim)
     if group > 1 and queries > 1:

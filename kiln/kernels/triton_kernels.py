@@ -605,7 +605,7 @@ def _prefers_mma(shape: tuple[int, int], device: torch.device) -> bool:
     """Whether an int4 (N, K) layer's decode products run faster on int4_mma than on the CUDA-core GEMV."""
     if shape in GEMV_MMA_MEASURED:
         return GEMV_MMA_MEASURED[shape]
-    return shape[0] // int4_mma.ROW_BLOCK <= 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return int4_mma.few_row_blocks(shape[0], device)
 
 
 FP16_ZERO_LIMIT = 64.0     # below it fp16 holds a zero point to 1/64 of a level (int4 rounding itself: ±1/2)

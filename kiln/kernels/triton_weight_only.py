@@ -283,7 +283,8 @@ def _group(k: int, scale2d: torch.Tensor) -> int:
 _SM_COUNT: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a GPU (cached: asked on every product; 132 off CUDA)."""
     if device.type != "cuda":
         return 132
     if device not in _SM_COUNT:
@@ -313,7 +314,7 @@ def _split(config: MmaConfig, tiles: int, steps: int, device: torch.device) -> i
     memory latency), each keeping ≥ 4 steps."""
     if config.split:
         return min(config.split, steps)
-    return max(1, min(-(-2 * _sm_count(device) // tiles), steps // 4, 16))
+    return max(1, min(-(-2 * sm_count(device) // tiles), steps // 4, 16))
 
 
 def _step(config: MmaConfig, group: int) -> int:
