@@ -18,7 +18,7 @@ import torch
 
 import kiln.runtime.model_runner
 from kiln import LLM, BuildConfig, SamplingConfig
-from kiln.config import QuantConfig
+from kiln.config import QuantConfig, excluded_modules
 from kiln.kernels import ReferenceOps, select_ops
 from kiln.models import LlamaForCausalLM
 from kiln.quantization import quantize_model
@@ -88,7 +88,7 @@ def main():
                    help="the CPU's kernels (select_ops), the reference ones, or both in turn")
     args = p.parse_args()
     quant_config = QuantConfig(args.quant_algo, group_size=args.group_size,
-                               exclude_modules=[] if args.quantize_lm_head else ["lm_head"]) if args.quant_algo else None
+                               exclude_modules=excluded_modules(args.quantize_lm_head)) if args.quant_algo else None
     model = kiln_model(args.dtype, quant_config, args.calib_size, args.round_to_nearest)
     result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "quant_algo": args.quant_algo}
     if args.quant_algo in ("W4A16_AWQ", "W4A16_GPTQ"):

@@ -406,12 +406,12 @@ def quant_fp8_throughput(args):
 def _mode_quant(mode: str):
     """(QuantConfig, LM head quantized) of a mode written ALGO (bf16 = none), then +INT8 or +FP8 for a quantized KV
     cache and +lm_head for quantize_lm_head."""
-    from kiln.config import QuantConfig
+    from kiln.config import QuantConfig, excluded_modules
     algo, *extras = mode.split("+")
     lm_head = "lm_head" in extras
     kv = next((e for e in extras if e in ("INT8", "FP8")), None)
     return QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv,
-                       exclude_modules=[] if lm_head else ["lm_head"]), lm_head
+                       exclude_modules=excluded_modules(lm_head)), lm_head
 
 
 def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = None, lm_head: bool = False) -> float:
@@ -425,9 +425,9 @@ def _decode_tok_s(algo: str | None, new_tokens: int = 96, profile: str | None = 
 
 
 def _latency_engine(algo: str | None, new_tokens: int, lm_head: bool = False):
-    from kiln.config import QuantConfig
+    from kiln.config import QuantConfig, excluded_modules
     build = bench.default_bench_build("latency", 128, new_tokens, 1)
-    quant = QuantConfig(quant_algo=algo, exclude_modules=[] if lm_head else ["lm_head"]) if algo else None
+    quant = QuantConfig(quant_algo=algo, exclude_modules=excluded_modules(lm_head)) if algo else None
     return bench.random_engine("llama-3.1-8b", "bfloat16", build, quant_config=quant)
 
 
@@ -808,7 +808,7 @@ def main():
     p.add_argument("--test_timeout", type=int, default=400)
     p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
     p.add_argument("--fusion_labels", default="", help="decode_fusions' variants to run (off, silu, ..., all, "
-                   "all_but_mma; empty: every one)")
+                   "all_but_mma, default, default_but_mma, ...: its docstring; empty: every one)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")

@@ -405,14 +405,14 @@ def cmd_bench(args) -> None:
         engine = Engine.from_dir(args.engine_dir, device=device)
         name, dtype = args.engine_dir, engine.pretrained_config.dtype
     else:
-        from kiln.config import QuantConfig
+        from kiln.config import QuantConfig, excluded_modules
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
         build_config.plugin_config.use_custom_all_reduce = args.use_custom_all_reduce
         if args.quantize_lm_head and not args.quant_algo:
             raise ValueError("--quantize_lm_head needs --quant_algo (the LM head is quantized like the other layers)")
         quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo,
-                                   exclude_modules=[] if args.quantize_lm_head else ["lm_head"])
+                                   exclude_modules=excluded_modules(args.quantize_lm_head))
         engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config,
                                      tp_size=args.tp_size, pp_size=args.pp_size)
         name, dtype = args.model, args.dtype

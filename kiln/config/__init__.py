@@ -5,9 +5,10 @@ from .fields import field_docs
 from .mapping import Mapping
 from .parallel import ParallelConfig
 from .pretrained import PretrainedConfig
-from .quant import QuantConfig
+from .quant import QuantConfig, excluded_modules
 from .runtime import KvCacheConfig, SchedulerPolicy
 from .yaml_file import BuildFile, ModelSection, load_build_file
 
 __all__ = ["AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig", "LoraConfig", "Mapping",
-           "ModelSection", "ParallelConfig", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "field_docs", "load_build_file"]
+           "ModelSection", "ParallelConfig", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy",
+           "excluded_modules", "field_docs", "load_build_file"]

@@ -6,7 +6,7 @@ from typing import Any
 
 from .fields import from_dict, reject_unsupported, require_positive
 from .pretrained import PretrainedConfig
-from .quant import QuantConfig
+from .quant import QuantConfig, excluded_modules
 
 # ConvertConfig field → PretrainedConfig field it pins down.
 SHAPE_FIELDS = {
@@ -140,7 +140,7 @@ class ConvertConfig:
         kv = "INT8" if self.int8_kv_cache else "FP8" if self.fp8_kv_cache else None
         return QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv, group_size=self.group_size,
                            smoothquant_val=0.5 if self.smoothquant is None else self.smoothquant,
-                           exclude_modules=[] if self.quantize_lm_head else ["lm_head"])
+                           exclude_modules=excluded_modules(self.quantize_lm_head))
         reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
         reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
 

@@ -11,6 +11,12 @@ GROUP_ALGOS = ("W4A16_GPTQ", "W4A16_AWQ")
 KV_CACHE_QUANT_ALGOS = (None, "INT8", "FP8")
 
 
+def excluded_modules(quantize_lm_head: bool = False) -> list[str]:
+    """QuantConfig.exclude_modules as quantize_lm_head says: the LM head stays in the model's dtype unless it is
+    quantized too (the default)."""
+    return [] if quantize_lm_head else ["lm_head"]
+
+
 @dataclass
 class QuantConfig:
     """How weights, activations and the KV cache are quantized (all None: the model's own dtype)."""
@@ -31,7 +37,7 @@ class QuantConfig:
     """The int4 groups carry zero points (AWQ); set automatically for W4A16_AWQ."""
     smoothquant_val: float = 0.5
     """SmoothQuant's migration strength alpha, in [0, 1]."""
-    exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    exclude_modules: list[str] = field(default_factory=excluded_modules)
     """Modules left unquantized (by name suffix: lm_head, o_proj, ...)."""
 
     def __post_init__(self):
