@@ -29,7 +29,9 @@ from kiln.utils.default_model import default_model_path
 MODES = [("W8A16", None, {}), ("W4A16", None, {}), ("W4A16_GPTQ", None, {}),
          ("W4A16_GPTQ", None, {"has_zero_point": True}), ("W4A16_AWQ", None, {}), ("W8A8_SQ_PER_CHANNEL", None, {}),
          ("W8A8_SQ_PER_CHANNEL_PER_TOKEN", None, {}), ("FP8", None, {}), ("FP8_PER_CHANNEL_PER_TOKEN", None, {}),
-         (None, "INT8", {}), (None, "FP8", {})]
+         (None, "INT8", {}), (None, "FP8", {}),
+         ("W4A16_GPTQ", None, {"has_zero_point": True, "learned_rounding_steps": 100}),
+         ("W4A16_AWQ", None, {"learned_rounding_steps": 100})]
 HELD_OUT_MODULES = ["re", "statistics", "json", "argparse", "ssl", "csv", "socket", "unittest", "io", "heapq",
                     "itertools", "inspect", "doctest", "subprocess", "os", "typing"]
 

@@ -391,3 +391,76 @@ def test_grid_refit_is_the_least_squares_grid_and_never_loses():
         if zero_point:
             assert torch.allclose(new_zero[0].double(), -fit[2:] / fit[:2], rtol=1e-3, atol=1e-3)
 
+
+
+def _layer_output_error(runner, layer, target) -> float:
+    """The quantized network's layer output error against `target` on the calibration tokens, through the layer's
+    own inference path (not the differentiable one that learned rounding trains through)."""
+    hidden, residual = runner._run(layer)
+    return float(((hidden + residual).float() - target).pow(2).mean())
+
+
+@pytest.mark.parametrize("algo", ["W4A16_GPTQ", "W4A16_AWQ"])
+def test_learned_rounding_lowers_the_layer_output_error(tiny_models, algo):
+    """On a tiny model's first two layers: the layer run differentiably (LayerRunner.forward) equals its inference
+    path; learned rounding moves levels by at most one, keeps GPTQ's/AWQ's levels with 0 steps, and brings the
+    layer's output closer to the float network's than those levels."""
+    from kiln.quantization import calibration_tokens, sequential
+    from kiln.quantization.layerwise import LayerRunner
+    from kiln.quantization.tune import learn_rounding
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    config = QuantConfig(algo, group_size=32, has_zero_point=True, learned_rounding_steps=50)
+    runner = LayerRunner(model, calibration_tokens(model, 8, seq_len=64))
+    float_stream = runner.stream()
+    for index, layer in list(runner.layers())[:2]:
+        stats = sequential._statistics(runner.capture(layer, list(sequential.LINEARS)))
+        hidden, residual = runner._run(layer)
+        with torch.no_grad():
+            target = runner.forward(layer, float_stream)
+            assert torch.allclose(runner.forward(layer, runner.stream()), hidden + residual, atol=1e-5)
+        if algo == "W4A16_AWQ":
+            sequential._apply_awq(layer, stats, model.config, config)
+        grids = {name: sequential._quantize_linear(layer.get_submodule(name), stats[name][0], config, None,
+                                                   positions=True)[1] for name in sequential.LINEARS}
+        before = _layer_output_error(runner, layer, target)
+        assert all(torch.equal(v, grids[n].levels) for n, v in
+                   learn_rounding(runner, layer, grids, runner.stream(), target, 0).items())
+        levels = learn_rounding(runner, layer, grids, runner.stream(), target, 50, seed=int(index))
+        for name, grid in grids.items():
+            assert (levels[name].int() - grid.levels.int()).abs().max() <= 1
+            sequential._assign(layer.get_submodule(name).weight, quant.int4_values(levels[name], grid.scale, grid.zero))
+        after = _layer_output_error(runner, layer, target)
+        assert after < 0.9 * before, (index, before, after)
+        float_stream = target
+        runner.advance(layer)
+
+
+def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path, capsys):
+    """quantize_model with learned rounding keeps the logits closer to the float model's than without; the convert
+    flag reaches the checkpoint; modes it does not apply to are refused."""
+    from kiln.quantization import calibration_tokens
+
+    hf_dir, _ = tiny_models["llama"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    prompt = calibration_tokens(model, 1, seq_len=64)[0]
+    build_config = BuildConfig(max_input_len=64, max_seq_len=128, gather_context_logits=True)
+    logits = {}
+    for steps in (None, 0, 100):
+        net = model if steps is None else quantize_model(
+            model, QuantConfig("W4A16_GPTQ", group_size=32, has_zero_point=True, learned_rounding_steps=steps),
+            calib_size=8, quiet=True)
+        with LLM(net, build_config=build_config, quiet=True) as llm:
+            logits[steps] = llm.generate(prompt, SamplingConfig(max_new_tokens=1, end_id=-1)).context_logits
+    error = {k: ((logits[k] - logits[None]).norm() / logits[None].norm()).item() for k in (0, 100)}
+    assert error[100] < 0.9 * error[0], error
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "c"), "--use_weight_only",
+                 "--weight_only_precision", "int4_awq", "--per_group", "--group_size", "32", "--calib_size", "2",
+                 "--learned_rounding_steps", "3"]) == 0
+    assert LlamaForCausalLM.from_checkpoint(tmp_path / "c").config.quantization.learned_rounding_steps == 3
+    with pytest.raises(ValueError, match="learned_rounding_steps applies to the per-group int4 modes"):
+        QuantConfig("W8A16", learned_rounding_steps=10)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        QuantConfig("W4A16_AWQ", learned_rounding_steps=-1)
+    with pytest.raises(ValueError, match="learned rounding"):
+        quantize_model(model, QuantConfig("W4A16_AWQ", learned_rounding_steps=5), round_to_nearest=True)

@@ -80,6 +80,8 @@ class ConvertConfig:
     """Quantize the LM head too (left in the model dtype by default)."""
     calib_size: int = 16
     """Calibration sequences (of up to 256 tokens) taken from Kiln's calibration text."""
+    learned_rounding_steps: int = 0
+    """int4_gptq / int4_awq: steps of learned rounding after GPTQ or AWQ (QuantConfig.learned_rounding_steps)."""
     ammo_quant_ckpt_path: str | None = None
     """A pre-quantized checkpoint (.npz)."""
     per_group: bool = False
@@ -140,7 +142,8 @@ class ConvertConfig:
         kv = "INT8" if self.int8_kv_cache else "FP8" if self.fp8_kv_cache else None
         return QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv, group_size=self.group_size,
                            smoothquant_val=0.5 if self.smoothquant is None else self.smoothquant,
-                           exclude_modules=excluded_modules(self.quantize_lm_head))
+                           exclude_modules=excluded_modules(self.quantize_lm_head),
+                           learned_rounding_steps=self.learned_rounding_steps)
         reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
         reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
 

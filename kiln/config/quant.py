@@ -39,6 +39,11 @@ class QuantConfig:
     """SmoothQuant's migration strength alpha, in [0, 1]."""
     exclude_modules: list[str] = field(default_factory=excluded_modules)
     """Modules left unquantized (by name suffix: lm_head, o_proj, ...)."""
+    learned_rounding_steps: int = 0
+    """W4A16_GPTQ / W4A16_AWQ: after the grids and levels are chosen, this many steps of signed gradient descent
+    re-choose each weight's rounding, up or down, so that every decoder layer's output comes closer to the float
+    network's (AutoRound-style; kiln/quantization/tune.py; ~100 is usual, a few times slower to quantize); 0 keeps
+    GPTQ's or AWQ's levels."""
 
     def __post_init__(self):
         require_choice("QuantConfig", "quant_algo", self.quant_algo, QUANT_ALGOS)
@@ -49,6 +54,11 @@ class QuantConfig:
                                                       f"got {self.group_size!r}")
         if self.quant_algo == "W4A16_AWQ":
             self.has_zero_point = True
+        require(isinstance(self.learned_rounding_steps, int) and self.learned_rounding_steps >= 0,
+                f"QuantConfig.learned_rounding_steps={self.learned_rounding_steps!r} must be an integer >= 0")
+        require(not self.learned_rounding_steps or self.quant_algo in GROUP_ALGOS,
+                f"QuantConfig: learned_rounding_steps applies to the per-group int4 modes {', '.join(GROUP_ALGOS)}, "
+                f"not to {self.quant_algo}")
 
     @property
     def enabled(self) -> bool:

@@ -68,6 +68,14 @@ def int4_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None)
     return q.reshape(w.shape[0], -1)[:, :w.shape[1]].to(torch.uint8)
 
 
+def int4_positions(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """(out, in) float positions of w on the grid (scale, zero), before rounding: level q stands for q's own
+    position (int4_levels rounds them, clamped to 0..15)."""
+    g = _grouped(w.float(), scale.shape[1])
+    offset = zero[..., None] if zero is not None else 8.0
+    return (g / scale[..., None] + offset).reshape(w.shape[0], -1)[:, :w.shape[1]]
+
+
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     """(out, in) → (out, groups, group), the last group padded with zeros."""
     group = int4_group_size(x.shape[1], groups)

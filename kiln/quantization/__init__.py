@@ -114,6 +114,9 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
     random-weight benchmark models, where there is nothing to calibrate for."""
     if model.config.quantization.enabled:
         raise ValueError("the model is already quantized")
+    if round_to_nearest and quant_config.learned_rounding_steps:
+        raise ValueError("round_to_nearest skips the calibrated searches, learned rounding among them: set "
+                         "learned_rounding_steps=0")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
     sequences = calibration_tokens(model, calib_size)
     algo = quant_config.quant_algo

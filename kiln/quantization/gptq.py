@@ -51,12 +51,16 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, round_column: Callable[[torch.T
     return result[:, torch.argsort(order)]
 
 
-def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """(out, in) uint8 levels of w on the fixed int4 grid (scale, zero), each (out, groups), by GPTQ."""
+def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+              rounded: torch.Tensor | None = None) -> torch.Tensor:
+    """(out, in) uint8 levels of w on the fixed int4 grid (scale, zero), each (out, groups), by GPTQ. `rounded`,
+    where given (out, in), receives the values each column was rounded from (w plus the errors pushed onto it)."""
     group = int4_group_size(w.shape[1], scale.shape[1])
     offset = zero if zero is not None else torch.full_like(scale, 8.0)
 
     def round_column(values, column):
+        if rounded is not None:
+            rounded[:, column] = values
         s, z = scale[:, column // group], offset[:, column // group]
         return (torch.round(values / s + z).clamp(0, 15) - z) * s
 

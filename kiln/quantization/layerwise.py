@@ -6,6 +6,9 @@ that AWQ and GPTQ quantize each layer on the inputs the already-quantized layers
         inputs = runner.capture(layer, ["attn.qkv_proj", ...])   # (tokens, in) input of each named linear
         ...                                                       # change the layer's weights
         runner.advance(layer)                                     # its outputs become the next layer's inputs
+
+`forward` runs a layer outside inference mode (differentiable, on some of the sequences, with some weights
+replaced): learned rounding (tune.py) trains through it.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class LayerRunner:
         config = dataclasses.replace(model.config, quantization=QuantConfig())
         device = next(iter(model.weights.values())).device
         lengths = [len(s) for s in sequences]
+        self.lengths, self.starts = lengths, [0, *torch.tensor(lengths).cumsum(0).tolist()]
         self.net = model.network_class.load(config, model.engine_weights(), max(lengths), device, ops=ReferenceOps())
         self.positions, self.meta = _packed_metadata(lengths, device)
         blocks = int(self.meta.block_tables.numel())
@@ -79,3 +83,24 @@ class LayerRunner:
     def advance(self, layer) -> None:
         """Run `layer` as it now is; its outputs become the inputs of the next one."""
         self.hidden, self.residual = self._run(layer)
+
+    def stream(self) -> torch.Tensor:
+        """The residual stream entering the next layer (hidden + residual: what its first RMSNorm normalises), as
+        an ordinary tensor that autograd may use."""
+        with torch.inference_mode(False):
+            return (self.hidden if self.residual is None else self.hidden + self.residual).clone()
+
+    def rows(self, x: torch.Tensor, sequences) -> torch.Tensor:
+        """The rows of packed tensor x (one per token) that belong to `sequences` (indices), in their order."""
+        return torch.cat([x[self.starts[i]:self.starts[i + 1]] for i in sequences])
+
+    def forward(self, layer, stream: torch.Tensor, sequences=None, weights: dict | None = None) -> torch.Tensor:
+        """The residual stream after `layer` for the tokens of `sequences` (default: all) of `stream`, with the
+        layer's parameters named in `weights` replaced by those tensors (differentiably)."""
+        sequences = range(len(self.lengths)) if sequences is None else sequences
+        positions, meta = _packed_metadata([self.lengths[i] for i in sequences], stream.device)
+        cache = torch.zeros((2, int(meta.block_tables.numel()), *self.cache.shape[2:]), dtype=self.cache.dtype,
+                            device=self.cache.device)
+        args = (self.rows(stream, sequences), None, positions, meta, cache, self.net.cos_sin)
+        hidden, residual = torch.func.functional_call(layer, weights or {}, args)
+        return hidden + residual

@@ -4,16 +4,17 @@ inputs.
 Per layer: capture the inputs X of its four linear modules (from the already-quantized layers before it) and keep
 H = XᵀX / tokens and the mean |x| per channel. W4A16_AWQ then searches and folds its per-channel scales; the int4
 modules get a clipping search for their group grids, then their levels by round to nearest (AWQ) or GPTQ, then the
-grid refitted to the levels by least squares (refit.py) and the levels rounded again on it; int8 (W8A16) and
-FP8 weights (per channel, scale from the row's largest magnitude) are rounded by GPTQ. The layer's weights are
-replaced by their quantized values before its outputs feed the next layer.
+grid refitted to the levels by least squares (refit.py) and the levels rounded again on it, and with
+`learned_rounding_steps` the whole layer's roundings re-chosen toward the float network's outputs (tune.py); int8
+(W8A16) and FP8 weights (per channel, scale from the row's largest magnitude) are rounded by GPTQ. The layer's
+weights are replaced by their quantized values before its outputs feed the next layer.
 """
 from __future__ import annotations
 
 import torch
 
 from kiln.config import QuantConfig
-from kiln.kernels.quant import FP8_MAX, int4_grid, int4_levels, int4_values
+from kiln.kernels.quant import FP8_MAX, int4_grid, int4_levels, int4_positions, int4_values
 from kiln.models.base import PretrainedModel
 from kiln.utils.steps import progress
 
@@ -21,6 +22,7 @@ from .awq import fake_quantize, search_clip, search_scales, tie_heads
 from .gptq import gptq_fp8, gptq_int4, gptq_int8
 from .layerwise import LayerRunner
 from .refit import refit_grid
+from .tune import IntGrid, learn_rounding
 
 LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 ALGOS = ("W8A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
@@ -34,19 +36,37 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
     |key| and |value| the quantized layer caches)."""
     runner = LayerRunner(model, sequences)
     names = [n for n in LINEARS if quant_config.quantizes(n)]
+    steps = quant_config.learned_rounding_steps
+    float_stream = runner.stream() if steps else None      # the float network's own residual stream
     results, changed, kv = {}, {}, []
     for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
         stats = _statistics(runner.capture(layer, names))
+        if steps:
+            with torch.no_grad():
+                float_stream = runner.forward(layer, float_stream)
         if quant_config.quant_algo == "W4A16_AWQ":
             _apply_awq(layer, stats, model.config, quant_config)
             changed.update({f"layers.{index}.{k}": v.detach().clone() for k, v in layer.state_dict().items()
                             if "norm" in k or k.endswith("bias")})
+        grids = {}
         for name in names:
-            results[f"layers.{index}.{name}"] = _quantize_linear(layer.get_submodule(name), stats[name][0],
-                                                                 quant_config, _clip_rows(name, model.config))
+            tensors, grids[name] = _quantize_linear(layer.get_submodule(name), stats[name][0], quant_config,
+                                                    _clip_rows(name, model.config), positions=bool(steps))
+            results[f"layers.{index}.{name}"] = tensors
+        if steps:
+            _learn_rounding(runner, layer, grids, float_stream, steps, int(index), results, f"layers.{index}.")
         runner.advance(layer)
         kv.append(runner.kv_peaks())
     return results, changed, kv
+
+
+def _learn_rounding(runner, layer, grids: dict[str, IntGrid], target, steps: int, seed: int, results: dict,
+                    prefix: str) -> None:
+    """Re-choose the layer's int4 roundings toward `target` (tune.py); its weights and `results` follow."""
+    levels = learn_rounding(runner, layer, grids, runner.stream(), target, steps, seed)
+    for name, grid in grids.items():
+        results[prefix + name]["weight"] = levels[name]
+        _assign(layer.get_submodule(name).weight, int4_values(levels[name], grid.scale, grid.zero))
 
 
 def _statistics(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -62,27 +82,33 @@ def _clip_rows(name: str, config) -> torch.Tensor | None:
     return torch.arange(qk + config.num_key_value_heads * config.head_dim) >= qk
 
 
-def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig,
-                     rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _quantize_linear(module, hessian: torch.Tensor, quant_config: QuantConfig, rows: torch.Tensor | None,
+                     positions: bool = False) -> tuple[dict[str, torch.Tensor], IntGrid | None]:
+    """(the module's quantized tensors, and with `positions` its int4 grid with the positions its levels were
+    rounded from)."""
     w = module.weight.detach().float()
     if quant_config.quant_algo == "W8A16" or quant_config.quant_algo.startswith("FP8"):
-        return _quantize_per_channel(module, w, hessian, quant_config.quant_algo)
+        return _quantize_per_channel(module, w, hessian, quant_config.quant_algo), None
     group, zero_point = quant_config.group_size, quant_config.has_zero_point
     ratio = search_clip(w, hessian, group, zero_point, None if rows is None else rows.to(w.device))
     scale, zero = int4_grid(w, group, zero_point, ratio)
     by_gptq = quant_config.quant_algo == "W4A16_GPTQ"
+    rounded = torch.empty_like(w) if positions and by_gptq else None      # GPTQ's error-compensated values
 
     def round_levels(scale, zero):
-        return gptq_int4(w, hessian, scale, zero) if by_gptq else int4_levels(w, scale, zero)
+        return gptq_int4(w, hessian, scale, zero, rounded) if by_gptq else int4_levels(w, scale, zero)
 
     levels = round_levels(scale, zero)
     for _ in range(REFITS):
         scale, zero = refit_grid(w, hessian, levels, scale, zero)
         levels = round_levels(scale, zero)
+    # positions on the grid the levels were rounded on: each is within half a level of its own (unless clamped)
+    moved = int4_positions(w if rounded is None else rounded, scale, zero) if positions else None
     scale, zero = refit_grid(w, hessian, levels, scale, zero)
     deq = int4_values(levels, scale, zero)
     _assign(module.weight, deq)
-    return {"weight": levels, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
+    grid = IntGrid(levels, scale, zero, moved) if positions else None
+    return {"weight": levels, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}, grid
 
 
 def _quantize_per_channel(module, w: torch.Tensor, hessian: torch.Tensor, algo: str) -> dict[str, torch.Tensor]:
