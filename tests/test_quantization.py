@@ -392,7 +392,6 @@ def test_grid_refit_is_the_least_squares_grid_and_never_loses():
             assert torch.allclose(new_zero[0].double(), -fit[2:] / fit[:2], rtol=1e-3, atol=1e-3)
 
 
-
 def _layer_output_error(runner, layer, target) -> float:
     """The quantized network's layer output error against `target` on the calibration tokens, through the layer's
     own inference path (not the differentiable one that learned rounding trains through)."""
@@ -436,7 +435,7 @@ def test_learned_rounding_lowers_the_layer_output_error(tiny_models, algo):
         runner.advance(layer)
 
 
-def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path, capsys):
+def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path):
     """quantize_model with learned rounding keeps the logits closer to the float model's than without; the convert
     flag reaches the checkpoint; modes it does not apply to are refused."""
     from kiln.quantization import calibration_tokens

@@ -61,7 +61,7 @@ def learn_rounding(runner, layer, grids: dict[str, IntGrid], stream: torch.Tenso
     start = {name: g.levels.float() + (g.positions - g.levels.float()).clamp(-HALF, HALF) for name, g in grids.items()}
     offsets = {name: torch.zeros_like(p, requires_grad=True) for name, p in start.items()}
     dtype = {name: layer.get_submodule(name).weight.dtype for name in grids}
-    count, tokens = len(runner.lengths), target.numel()
+    count, elements = len(runner.lengths), target.numel()
 
     def weights():
         levels = {n: _RoundThrough.apply(start[n] + offsets[n]).clamp(0, 15) for n in grids}
@@ -72,7 +72,7 @@ def learn_rounding(runner, layer, grids: dict[str, IntGrid], stream: torch.Tenso
         w = weights()
         chunks = [range(i, min(i + EVAL_BATCH, count)) for i in range(0, count, EVAL_BATCH)]
         return sum(float(_squared_error(runner.forward(layer, stream, c, w), runner.rows(target, c)))
-                   for c in chunks) / tokens
+                   for c in chunks) / elements
 
     best_loss, best = calibration_loss(), {n: v.detach().clone() for n, v in offsets.items()}
     generator = torch.Generator().manual_seed(seed)
