@@ -402,8 +402,8 @@ def _layer_output_error(runner, layer, target) -> float:
 @pytest.mark.parametrize("algo", ["W4A16_GPTQ", "W4A16_AWQ"])
 def test_learned_rounding_lowers_the_layer_output_error(tiny_models, algo):
     """On a tiny model's first two layers: the layer run differentiably (LayerRunner.forward) equals its inference
-    path; learned rounding moves levels by at most one, keeps GPTQ's/AWQ's levels with 0 steps, and brings the
-    layer's output closer to the float network's than those levels."""
+    path; learned rounding moves levels by at most one and scales and zero points a little, keeps GPTQ's/AWQ's grids
+    with 0 steps, and brings the layer's output closer to the float network's than those grids."""
     from kiln.quantization import calibration_tokens, sequential
     from kiln.quantization.layerwise import LayerRunner
     from kiln.quantization.tune import learn_rounding
@@ -423,12 +423,15 @@ def test_learned_rounding_lowers_the_layer_output_error(tiny_models, algo):
         grids = {name: sequential._quantize_linear(layer.get_submodule(name), stats[name][0], config, None,
                                                    positions=True)[1] for name in sequential.LINEARS}
         before = _layer_output_error(runner, layer, target)
-        assert all(torch.equal(v, grids[n].levels) for n, v in
-                   learn_rounding(runner, layer, grids, runner.stream(), target, 0).items())
-        levels = learn_rounding(runner, layer, grids, runner.stream(), target, 50, seed=int(index))
+        for n, kept in learn_rounding(runner, layer, grids, runner.stream(), target, 0).items():
+            assert torch.equal(kept.levels, grids[n].levels) and torch.equal(kept.scale, grids[n].scale)
+            assert torch.equal(kept.zero, grids[n].zero)
+        tuned = learn_rounding(runner, layer, grids, runner.stream(), target, 50, seed=int(index))
         for name, grid in grids.items():
-            assert (levels[name].int() - grid.levels.int()).abs().max() <= 1
-            sequential._assign(layer.get_submodule(name).weight, quant.int4_values(levels[name], grid.scale, grid.zero))
+            new = tuned[name]
+            assert (new.levels.int() - grid.levels.int()).abs().max() <= 1
+            assert (new.scale / grid.scale - 1).abs().max() < 0.1 and (new.zero - grid.zero).abs().max() < 0.1
+            sequential._assign(layer.get_submodule(name).weight, quant.int4_values(new.levels, new.scale, new.zero))
         after = _layer_output_error(runner, layer, target)
         assert after < 0.9 * before, (index, before, after)
         float_stream = target

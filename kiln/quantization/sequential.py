@@ -63,10 +63,12 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
 def _learn_rounding(runner, layer, grids: dict[str, IntGrid], target, steps: int, seed: int, results: dict,
                     prefix: str) -> None:
     """Re-choose the layer's int4 roundings toward `target` (tune.py); its weights and `results` follow."""
-    levels = learn_rounding(runner, layer, grids, runner.stream(), target, steps, seed)
-    for name, grid in grids.items():
-        results[prefix + name]["weight"] = levels[name]
-        _assign(layer.get_submodule(name).weight, int4_values(levels[name], grid.scale, grid.zero))
+    for name, grid in learn_rounding(runner, layer, grids, runner.stream(), target, steps, seed).items():
+        tensors = results[prefix + name]
+        tensors.update(weight=grid.levels, weight_scale=grid.scale)
+        if grid.zero is not None:
+            tensors["weight_zero"] = grid.zero
+        _assign(layer.get_submodule(name).weight, int4_values(grid.levels, grid.scale, grid.zero))
 
 
 def _statistics(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

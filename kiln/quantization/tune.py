@@ -11,7 +11,9 @@ from, the earlier columns' errors already added; AWQ: w / scale + zero), held wi
 chosen, so that v = 0 gives those levels exactly; v ∈ [-½, ½] is trained by signed gradient descent (rounding
 passes gradients straight through; the step size falls linearly to zero) on a few calibration sequences at a time.
 Every EVAL_EVERY steps the loss on all sequences is measured and the best v so far (v = 0 included) kept, so
-tuning never worsens a layer's calibration loss. The grids (scales, zero points) stay as they are.
+tuning never worsens a layer's calibration loss. The grids are trained alongside (AutoRound tunes its clipping
+range, which sets both): each group's scale as scale·e^a and its zero point as zero + d (in levels), a and d by the
+same signed steps (the levels' positions stay where GPTQ or AWQ left them).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ BATCH = 4           # calibration sequences a step
 EVAL_EVERY = 25     # steps between measurements of the loss on every sequence
 EVAL_BATCH = 8      # sequences a forward pass while measuring
 HALF = 0.499        # positions stay this close to their level: v = 0 keeps the level
+GRID_LR = 2e-3      # signed step at the start on log(scale) and on the zero point (levels); 0: the grids stay
 
 
 @dataclasses.dataclass
@@ -55,37 +58,59 @@ def _squared_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def learn_rounding(runner, layer, grids: dict[str, IntGrid], stream: torch.Tensor, target: torch.Tensor,
-                   steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """New uint8 levels for the modules of `layer` named in `grids` (e.g. attn.qkv_proj), trained so that the
-    layer (runner.forward) maps `stream`, its input on the quantized network, close to `target`."""
+                   steps: int, seed: int = 0) -> dict[str, IntGrid]:
+    """New grids (uint8 levels, scales, zero points) for the modules of `layer` named in `grids` (e.g.
+    attn.qkv_proj), trained so that the layer (runner.forward) maps `stream`, its input on the quantized network,
+    close to `target`."""
     start = {name: g.levels.float() + (g.positions - g.levels.float()).clamp(-HALF, HALF) for name, g in grids.items()}
-    offsets = {name: torch.zeros_like(p, requires_grad=True) for name, p in start.items()}
+    params = {name: {"offset": torch.zeros_like(p, requires_grad=True),
+                     "log_scale": torch.zeros_like(grids[name].scale, requires_grad=True),
+                     **({"zero": torch.zeros_like(grids[name].zero, requires_grad=True)}
+                        if grids[name].zero is not None else {})} for name, p in start.items()}
+    trained = [(v, 0.5 if key == "offset" else None, LR if key == "offset" else GRID_LR)
+               for group in params.values() for key, v in group.items() if key == "offset" or GRID_LR > 0]
     dtype = {name: layer.get_submodule(name).weight.dtype for name in grids}
     count, elements = len(runner.lengths), target.numel()
 
-    def weights():
-        levels = {n: _RoundThrough.apply(start[n] + offsets[n]).clamp(0, 15) for n in grids}
-        return {f"{n}.weight": int4_values(q, grids[n].scale, grids[n].zero).to(dtype[n]) for n, q in levels.items()}
+    def tuned(name: str, p: dict) -> IntGrid:
+        g = grids[name]
+        levels = _RoundThrough.apply(start[name] + p["offset"]).clamp(0, 15)
+        zero = g.zero + p["zero"] if g.zero is not None else None
+        return IntGrid(levels, g.scale * torch.exp(p["log_scale"]), zero, g.positions)
+
+    def weights(chosen: dict) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in chosen.items():
+            g = tuned(name, p)
+            out[f"{name}.weight"] = int4_values(g.levels, g.scale, g.zero).to(dtype[name])
+        return out
 
     @torch.no_grad()
     def calibration_loss() -> float:
-        w = weights()
+        w = weights(params)
         chunks = [range(i, min(i + EVAL_BATCH, count)) for i in range(0, count, EVAL_BATCH)]
         return sum(float(_squared_error(runner.forward(layer, stream, c, w), runner.rows(target, c)))
                    for c in chunks) / elements
 
-    best_loss, best = calibration_loss(), {n: v.detach().clone() for n, v in offsets.items()}
+    def snapshot() -> dict:
+        return {name: {k: v.detach().clone() for k, v in p.items()} for name, p in params.items()}
+
+    best_loss, best = calibration_loss(), snapshot()
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         batch = torch.randperm(count, generator=generator)[:BATCH].tolist()
         wanted = runner.rows(target, batch)
-        loss = _squared_error(runner.forward(layer, stream, batch, weights()), wanted) / wanted.numel()
-        grads = torch.autograd.grad(loss, list(offsets.values()))
+        loss = _squared_error(runner.forward(layer, stream, batch, weights(params)), wanted) / wanted.numel()
+        grads = torch.autograd.grad(loss, [v for v, _, _ in trained])
         with torch.no_grad():
-            for v, grad in zip(offsets.values(), grads):
-                v.sub_(LR * (1 - step / steps) * grad.sign()).clamp_(-0.5, 0.5)
+            for (v, bound, lr), grad in zip(trained, grads):
+                v.sub_(lr * (1 - step / steps) * grad.sign())
+                if bound is not None:
+                    v.clamp_(-bound, bound)
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
             loss_now = calibration_loss()
             if loss_now < best_loss:
-                best_loss, best = loss_now, {n: v.detach().clone() for n, v in offsets.items()}
-    return {n: torch.round(start[n] + best[n]).clamp(0, 15).to(torch.uint8) for n in grids}
+                best_loss, best = loss_now, snapshot()
+    with torch.no_grad():
+        result = {name: tuned(name, p) for name, p in best.items()}
+    return {name: dataclasses.replace(g, levels=g.levels.to(torch.uint8)) for name, g in result.items()}
