@@ -78,16 +78,13 @@ def learn_rounding(runner, layer, grids: dict[str, IntGrid], stream: torch.Tenso
         zero = g.zero + p["zero"] if g.zero is not None else None
         return IntGrid(levels, g.scale * torch.exp(p["log_scale"]), zero, g.positions)
 
-    def weights(chosen: dict) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in chosen.items():
-            g = tuned(name, p)
-            out[f"{name}.weight"] = int4_values(g.levels, g.scale, g.zero).to(dtype[name])
-        return out
+    def weights() -> dict[str, torch.Tensor]:
+        now = {name: tuned(name, p) for name, p in params.items()}
+        return {f"{n}.weight": int4_values(g.levels, g.scale, g.zero).to(dtype[n]) for n, g in now.items()}
 
     @torch.no_grad()
     def calibration_loss() -> float:
-        w = weights(params)
+        w = weights()
         chunks = [range(i, min(i + EVAL_BATCH, count)) for i in range(0, count, EVAL_BATCH)]
         return sum(float(_squared_error(runner.forward(layer, stream, c, w), runner.rows(target, c)))
                    for c in chunks) / elements
@@ -100,7 +97,7 @@ def learn_rounding(runner, layer, grids: dict[str, IntGrid], stream: torch.Tenso
     for step in range(steps):
         batch = torch.randperm(count, generator=generator)[:BATCH].tolist()
         wanted = runner.rows(target, batch)
-        loss = _squared_error(runner.forward(layer, stream, batch, weights(params)), wanted) / wanted.numel()
+        loss = _squared_error(runner.forward(layer, stream, batch, weights()), wanted) / wanted.numel()
         grads = torch.autograd.grad(loss, [v for v, _, _ in trained])
         with torch.no_grad():
             for (v, bound, lr), grad in zip(trained, grads):
