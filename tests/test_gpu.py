@@ -61,6 +61,39 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
                 assert rel_err(out, ref) < 1e-2, (name, window, parts)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (28, 4)])
+@pytest.mark.parametrize("block", [16, 64])
+def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
+    """decode_attention (rope + cache write + attention + merge in one kernel) against the three kernels it
+    replaces and the float reference, bf16, with and without split-K partitions and a sliding window; a padded
+    row (length 0, slot -1) writes nothing."""
+    from kiln.kernels import triton_kernels as tk
+
+    seqs = [(0, 1), (37, 1), (1000, 1), (4099, 1), (255, 1)]
+    _, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    qkv = torch.randn((len(seqs) + 1, (heads + 2 * kv_heads) * dim), generator=g, device=CUDA).bfloat16()
+    positions = torch.cat([meta.seq_lens - 1, torch.zeros(1, dtype=torch.int64, device=CUDA)])
+    padded = lambda t, v: torch.cat([t, torch.full((1,) + t.shape[1:], v, dtype=t.dtype, device=CUDA)])  # noqa: E731
+    slots, lens, tables = padded(meta.slot_mapping, -1), padded(meta.seq_lens, 0), padded(meta.block_tables, 0)
+    table = rope_cos_sin(8192, dim, 500000.0, None).to(CUDA)
+    for window in (None, 100):
+        ref_cache = cache.clone()
+        q = tk.rope_and_cache(qkv[:-1], positions[:-1], table, ref_cache, meta.slot_mapping, heads, kv_heads, dim)
+        ref = reference.paged_attention(q.float(), ref_cache.float(), meta, dim ** -0.5, window)
+        for parts in (1, 4, 33):
+            part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
+            unfused = tk.paged_attention(q, ref_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
+                                         dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+            out_cache = cache.clone()
+            out = tk.decode_attention(qkv, positions, table, out_cache, slots, tables, lens, heads, kv_heads, dim,
+                                      dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+            assert torch.equal(out_cache, ref_cache), (window, parts)
+            assert rel_err(out[:-1], ref) < 1e-2 and rel_err(out[:-1], unfused) < 1e-2, (window, parts)
+    assert not tk._arrival_counters(CUDA, 1).any()
+
+
 @pytest.mark.parametrize("rows, cols", [(1, 4096), (7, 576), (300, 8192), (33, 5120)])
 def test_norm_activation_and_rope_kernels(rows, cols):
     from kiln.kernels import triton_kernels as tk

@@ -72,6 +72,13 @@ class ReferenceOps:
     def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
         return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
+    @classmethod
+    def rope_cache_attention(cls, qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads,
+                             head_dim, scale: float, sliding_window: int | None, kv_scale=None):
+        """rope_and_cache then attention: the attention output (T, H, D) of the fused projection qkv."""
+        q = cls.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
+        return cls.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+
 
 class TritonOps(ReferenceOps):
     name = "triton"
@@ -100,6 +107,15 @@ class TritonOps(ReferenceOps):
         return self._k.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
                                        part_tokens=meta.part_tokens, kv_scale=kv_scale)
+
+    def rope_cache_attention(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, scale,
+                             sliding_window, kv_scale=None):
+        if not self._k.fused_decode_takes(qkv, kv_cache, meta.max_query_len, head_dim, kv_scale):
+            q = self.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
+            return self.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+        return self._k.decode_attention(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, meta.block_tables,
+                                        meta.seq_lens, heads, kv_heads, head_dim, scale, sliding_window,
+                                        meta.num_parts, meta.part_tokens)
 
     def quant_linear(self, x, algo, params, bias=None):
         return self._k.quant_linear(x, algo, params, bias, self.fp8_fast_accumulation)

@@ -285,16 +285,45 @@ def _cache_words_to_fp16(words, KV_QUANT: tl.constexpr, TILE: tl.constexpr, DIM:
 
 
 @triton.jit
-def _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS: tl.constexpr,
-                      BLOCK_TOKENS: tl.constexpr, DIM: tl.constexpr):
-    """The (TILE, DIM/4) int32 words of keys and of values of cache positions start + t (zeros from stop on)."""
+def _cache_rows(table, start, stop, t, kv_head, KV_HEADS: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    """The (TILE,) cache rows of positions start + t of a sequence (its block table at `table`) and which of them
+    are before stop."""
     kv_pos = start + t
     in_range = kv_pos < stop
     block = tl.load(table + kv_pos // BLOCK_TOKENS, mask=in_range, other=0).to(tl.int64)
-    cached = (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head      # (TILE,) cache rows
+    return (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head, in_range
+
+
+@triton.jit
+def _kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS: tl.constexpr,
+             BLOCK_TOKENS: tl.constexpr, DIM: tl.constexpr):
+    """Keys and values (TILE, DIM) of cache positions start + t (zeros from stop on)."""
+    cached, in_range = _cache_rows(table, start, stop, t, kv_head, KV_HEADS, BLOCK_TOKENS)
+    offsets = cached[:, None] * DIM + d[None, :]
+    return (tl.load(cache_ptr + offsets, mask=in_range[:, None], other=0.0),
+            tl.load(cache_ptr + cache_half + offsets, mask=in_range[:, None], other=0.0))
+
+
+@triton.jit
+def _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS: tl.constexpr,
+                      BLOCK_TOKENS: tl.constexpr, DIM: tl.constexpr):
+    """The (TILE, DIM/4) int32 words of keys and of values of cache positions start + t (zeros from stop on)."""
+    cached, in_range = _cache_rows(table, start, stop, t, kv_head, KV_HEADS, BLOCK_TOKENS)
     words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cached[:, None] * (DIM // 4) + w[None, :]
     return (tl.load(words, mask=in_range[:, None], other=0),
             tl.load(words + cache_half // 4, mask=in_range[:, None], other=0))
+
+
+@triton.jit
+def _online_softmax(s, v, m, l, acc, PRECISION: tl.constexpr):
+    """The running max m, sum l and output acc of each row advanced over one tile's masked scores s and values v."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
 
 
 @triton.jit(do_not_specialize=["bt_stride", "window"])     # both vary between steps: no recompiles for them
@@ -358,23 +387,14 @@ def _paged_attention_kernel(
             k = _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM)
             v = _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
         else:
-            block = tl.load(table + kv_pos // BLOCK_TOKENS, mask=in_range, other=0).to(tl.int64)
-            cached = (block * BLOCK_TOKENS + kv_pos % BLOCK_TOKENS) * KV_HEADS + kv_head      # (TILE,) cache rows
-            kv_offsets = cached[:, None] * DIM + d[None, :]
-            k = tl.load(cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
-            v = tl.load(cache_ptr + cache_half + kv_offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
+            k, v = _kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
             ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax(tl.where(ok, s, float("-inf")), v, m, l, acc, PRECISION)
     if KV_QUANT > 0:
         acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_PARTS == 1:
@@ -405,6 +425,204 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
     total = tl.sum(acc * w[:, None], axis=0)
     norm = tl.sum(l * w, axis=0)
     tl.store(out_ptr + row * DIM + d, (total / tl.where(norm == 0.0, 1.0, norm)).to(out_ptr.dtype.element_ty))
+
+
+# --- decode steps: rope + cache write + attention + split-K merge in one kernel --------------------------------
+FUSED_DECODE = True     # one-token steps over a 16-bit cache take _decode_attention_kernel instead of three kernels
+DECODE_PRELOAD = True   # its first tile of cached keys loaded before the PDL wait
+
+
+@triton.jit
+def _rotated(src, d, cos, sin, mask, HALF: tl.constexpr, DIM: tl.constexpr):
+    """Rows at src (columns d) rotated as _rope_and_cache_kernel rotates them (the same float32 operations):
+    x·cos - partner·sin in the first half, x·cos + partner·sin in the second."""
+    x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(src + ((d + HALF) % DIM)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where((d < HALF)[None, :], x * cos[None, :] - partner * sin[None, :],
+                    x * cos[None, :] + partner * sin[None, :])
+
+
+@triton.jit
+def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, first_part, row_ok, d, NUM_PARTS: tl.constexpr,
+                    DIM: tl.constexpr):
+    """The rows' attention output from the NUM_PARTS partials (m, l, acc) at first_part + p, read past L1 (other
+    SMs wrote them)."""
+    m = tl.full(first_part.shape, float("-inf"), tl.float32)
+    l = tl.zeros(first_part.shape, tl.float32)
+    acc = tl.zeros([first_part.shape[0], DIM], tl.float32)
+    for p in range(NUM_PARTS):
+        idx = first_part + p
+        m_p = tl.load(part_m_ptr + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_p = tl.load(part_l_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_p = tl.load(part_acc_ptr + idx[:, None] * DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m, m_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        beta = tl.exp(m_p - m_safe)
+        l = l * alpha + l_p * beta
+        acc = acc * alpha[:, None] + acc_p * beta[:, None]
+        m = m_new
+    return acc / tl.where(l == 0.0, 1.0, l)[:, None]
+
+
+@triton.jit
+def _attend_tile(q, k, v, kv_pos, stop, low, scale, row_ok, m, l, acc, PRECISION: tl.constexpr):
+    """The online softmax (m, l, acc) of q's rows advanced over one tile of cached keys k and values v at positions
+    kv_pos (those from stop on, or at or below low, masked)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # (ROWS, TILE)
+    s = tl.where(row_ok[:, None] & ((kv_pos < stop) & (kv_pos > low))[None, :], s, float("-inf"))
+    return _online_softmax(s, v, m, l, acc, PRECISION)
+
+
+@triton.jit
+def _attend_new_key(q, k_new, v_new, scale, m, l, acc):
+    """The online softmax advanced over the one new key and value (rounded to the cache's dtype, as if read back
+    from it), with p rounded as the tiles' products round it."""
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+    m_new = tl.maximum(m, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)
+    p = p.to(v_new.dtype).to(tl.float32)
+    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+
+
+@triton.jit(do_not_specialize=["bt_stride", "window"])
+def _decode_attention_kernel(
+        qkv_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr,
+        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, arrivals_ptr, scale, window,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr, NUM_PARTS: tl.constexpr,
+        PRELOAD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """A one-token step of sequence `seq`, its KV head `kv_head`, keys of partition `part`: the GROUP query heads
+    rotated from the fused projection qkv, attention over the partition's cached keys, and — in the program whose
+    partition holds the new position — over the new key and value (rotated, rounded to the cache's dtype) from
+    registers, which that program also writes to their cache slot. With NUM_PARTS > 1 each program stores its
+    softmax partials and counts itself in at arrivals_ptr; the last to arrive merges them and sets the count back to
+    0. PRELOAD: the first tile of cached keys is loaded before the PDL wait (no kernel of this step writes them)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    HALF: tl.constexpr = DIM // 2
+    heads = KV_HEADS * GROUP
+    d = tl.arange(0, DIM)
+    t = tl.arange(0, TILE)
+    r = tl.arange(0, ROWS)
+    row_ok = r < GROUP
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)                # 0 on a CUDA graph's padded rows
+    new_pos = seq_len - 1
+    first = part * PART_TOKENS
+    low = -1                                                          # keys at or below it are outside the window
+    if window > 0:
+        low = new_pos - window
+        first = tl.maximum(first, (tl.maximum(low + 1, 0) // TILE) * TILE)
+    owner = (new_pos >= part * PART_TOKENS) & (new_pos < part * PART_TOKENS + PART_TOKENS)
+    stop = tl.minimum(part * PART_TOKENS + PART_TOKENS, new_pos)      # cached keys: those before the new one
+    if PRELOAD:
+        k, v = _kv_tile(cache_ptr, cache_half, table, first, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
+    _wait_for_inputs(PDL)
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * DIM + d % HALF)
+    sin = tl.load(cos_sin_ptr + pos * DIM + HALF + d % HALF)
+    row = qkv_ptr + seq.to(tl.int64) * (heads + 2 * KV_HEADS) * DIM
+    q = _rotated(row + (kv_head * GROUP + r)[:, None] * DIM, d, cos, sin, row_ok[:, None], HALF, DIM)
+    q = q.to(qkv_ptr.dtype.element_ty)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM], tl.float32)
+    begin = first
+    if PRELOAD:
+        if first < stop:
+            m, l, acc = _attend_tile(q, k, v, first + t, stop, low, scale, row_ok, m, l, acc, PRECISION)
+        begin = first + TILE
+    for start in range(begin, stop, TILE):
+        k, v = _kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
+        m, l, acc = _attend_tile(q, k, v, start + t, stop, low, scale, row_ok, m, l, acc, PRECISION)
+    if owner:
+        k_src = row + (heads + kv_head) * DIM
+        k_new = tl.sum(_rotated(k_src, d, cos, sin, (d < DIM)[None, :], HALF, DIM), axis=0)     # (DIM,)
+        k_new = k_new.to(cache_ptr.dtype.element_ty)
+        v_new = tl.load(k_src + KV_HEADS * DIM + d).to(cache_ptr.dtype.element_ty)
+        m, l, acc = _attend_new_key(q, k_new, v_new, scale, m, l, acc)
+        slot = tl.load(slot_ptr + seq)
+        if slot >= 0:                                    # padded rows of a CUDA graph carry slot -1
+            k_dst = cache_ptr + (slot * KV_HEADS + kv_head) * DIM + d
+            tl.store(k_dst, k_new)
+            tl.store(k_dst + cache_half, v_new)
+    q_rows = (seq * heads + kv_head * GROUP + r).to(tl.int64)
+    out_at = out_ptr + q_rows[:, None] * DIM + d[None, :]
+    if NUM_PARTS == 1:
+        tl.store(out_at, (acc / tl.where(l == 0.0, 1.0, l)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        idx = q_rows * NUM_PARTS + part
+        tl.store(part_m_ptr + idx, m, mask=row_ok)
+        tl.store(part_l_ptr + idx, l, mask=row_ok)
+        tl.store(part_acc_ptr + idx[:, None] * DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.debug_barrier()                                   # every thread's partials before the count
+        counter = arrivals_ptr + seq * KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_PARTS - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            out = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, q_rows * NUM_PARTS, row_ok, d, NUM_PARTS,
+                                  DIM)
+            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _split_k_partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 (m, l, acc) of every (token, head) row of out (T, H, D) and partition; out itself (unused) for one
+    partition."""
+    if num_parts == 1:
+        return out, out, out
+    tokens, heads, dim = out.shape
+    part_m = torch.empty((tokens * heads * num_parts,), dtype=torch.float32, device=out.device)
+    return part_m, torch.empty_like(part_m), torch.empty((part_m.numel(), dim), dtype=torch.float32, device=out.device)
+
+
+_ARRIVALS: list[torch.Tensor] = []    # zeroed counters per device; older ones stay alive for graphs captured on them
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 counters at 0 (the fused decode kernel leaves them at 0)."""
+    for counters in reversed(_ARRIVALS):
+        if counters.device == device and counters.numel() >= n:
+            return counters
+    _ARRIVALS.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return _ARRIVALS[-1]
+
+
+def fused_decode_takes(qkv: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, head_dim: int,
+                       kv_scale: torch.Tensor | None) -> bool:
+    """Whether a step goes to decode_attention: one token per sequence, a 16-bit cache, a power-of-two head size."""
+    return (FUSED_DECODE and max_query_len == 1 and kv_scale is None and kv_cache.dtype == qkv.dtype
+            and qkv.dtype in (torch.float16, torch.bfloat16) and head_dim == triton.next_power_of_2(head_dim))
+
+
+def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, heads: int,
+                     kv_heads: int, head_dim: int, scale: float, sliding_window: int | None, num_parts: int = 1,
+                     part_tokens: int | None = None, tile: int | None = None,
+                     preload: bool | None = None) -> torch.Tensor:
+    """rope_and_cache then paged_attention of a one-token step (fused_decode_takes) in one kernel: the attention
+    output (T, H, D), k and v of the new tokens written to their cache slots. tile: keys per iteration
+    (attention_config's by default); preload: the first tile before the PDL wait (DECODE_PRELOAD by default)."""
+    tokens = qkv.shape[0]
+    tokens_per_block = kv_cache.shape[2]
+    tile = tile or attention_config(1, kv_cache.dtype)[0]
+    if num_parts == 1:
+        part_tokens = ONE_PARTITION
+    else:
+        part_tokens = triton.cdiv(part_tokens or block_tables.shape[1] * tokens_per_block, tile) * tile
+    out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    part_m, part_l, part_acc = _split_k_partials(out, num_parts)
+    group = heads // kv_heads
+    _decode_attention_kernel[(tokens, kv_heads, num_parts)](
+        qkv, positions, cos_sin, slot_mapping, kv_cache, kv_cache[0].numel(), block_tables, block_tables.stride(0),
+        seq_lens, out, part_m, part_l, part_acc, _arrival_counters(qkv.device, tokens * kv_heads), scale,
+        sliding_window or 0, KV_HEADS=kv_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
+        DIM=head_dim, BLOCK_TOKENS=tokens_per_block, TILE=tile, PART_TOKENS=part_tokens, NUM_PARTS=num_parts,
+        PRELOAD=DECODE_PRELOAD if preload is None else preload, PRECISION="tf32", num_warps=4, num_stages=2, **_launch())
+    return out
 
 
 def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tuple[int, int], bool]:
@@ -458,12 +676,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     step = mma_decode_attention.CHUNK if one_warp else tile
     part_tokens = triton.cdiv(part_tokens, step) * step
     out = torch.empty_like(q)
-    if num_parts > 1:
-        part_m = torch.empty((tokens * heads * num_parts,), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((tokens * heads * num_parts, dim), dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out
+    part_m, part_l, part_acc = _split_k_partials(out, num_parts)
     if one_warp:
         mma_decode_attention.decode_attention(
             q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, kv_scale, out,

@@ -140,9 +140,9 @@ class Attention(nn.Module):
         """The attention output projected, or (one rank, where o_proj's kernel folds the add in) already added to
         `residual` as a ResidualSum."""
         t = x.shape[0]
-        q = self.ops.rope_and_cache(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads, self.kv_heads,
-                                    self.head_dim, self.kv_scale)                  # (T, H, D); k, v cached
-        out = self.ops.attention(q, kv_cache, meta, self.scale, self.sliding_window, self.kv_scale)  # (T, H, D)
+        out = self.ops.rope_cache_attention(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads,
+                                            self.kv_heads, self.head_dim, self.scale, self.sliding_window,
+                                            self.kv_scale)                          # (T, H, D); k, v cached
         out = out.reshape(t, self.heads * self.head_dim)
         if self.comm.tp_size == 1:
             return self.o_proj(out, residual=residual)
