@@ -403,7 +403,8 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(interpre
                                                                          window):
     """decode_attention (rope + cache write + attention + the last partition's merge, one kernel) against
     ReferenceOps' rope_and_cache then paged_attention: the same output and the same cache, the padded row's slot
-    untouched; partitions of 64 keys (one tile) and of 128 (two), keys in several blocks."""
+    untouched; partitions of 64 keys (one tile) and of 128 (two), keys in several blocks; 9 partitions: merged row
+    by row (more than UNROLLED_MERGE)."""
     from kiln.kernels import AttentionMetadata, ReferenceOps
 
     qkv, positions, cos_sin, cache, meta = _decode_case([0, 70, 130, 200, -1], heads, kv_heads, dim, 16, seed=dim)
@@ -413,7 +414,7 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(interpre
                              meta.block_tables[:4], 1, meta.max_seq_len, meta.tokens_per_block)
     ref = ReferenceOps.rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads, dim,
                                             scale, window)
-    for parts, part_tokens in ((4, 64), (2, 128)) if split else ((1, None),):      # 201 keys at most
+    for parts, part_tokens in ((4, 64), (2, 128), (9, 64)) if split else ((1, None),):    # 201 keys at most
         for preload in (True, False):
             out_cache = cache.clone()
             out = interpreted.decode_attention(qkv, positions, cos_sin, out_cache, meta.slot_mapping,

@@ -110,7 +110,7 @@ class TritonOps(ReferenceOps):
 
     def rope_cache_attention(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, scale,
                              sliding_window, kv_scale=None):
-        if not self._k.fused_decode_takes(qkv, kv_cache, meta.max_query_len, head_dim, kv_scale):
+        if not self._k.fused_decode_takes(qkv, kv_cache, meta.max_query_len, meta.num_parts, head_dim, kv_scale):
             q = self.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
             return self.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
         return self._k.decode_attention(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, meta.block_tables,
