@@ -439,6 +439,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NUM_PARTS: tl.c
 # --- decode steps: rope + cache write + attention + split-K merge in one kernel --------------------------------
 FUSED_DECODE = True     # one-token steps over a 16-bit cache take _decode_attention_kernel instead of three kernels
 DECODE_PRELOAD = True   # its first tile of cached keys loaded before the PDL wait
+UNROLLED_MERGE = tl.constexpr(16)   # up to this many partitions the last program merges them in the layout of the
+                                    # accumulators, all loads issued at once; more: row by row (_merge_row)
 
 
 @triton.jit
@@ -449,10 +451,6 @@ def _rotated(src, d, cos, sin, mask, HALF: tl.constexpr, DIM: tl.constexpr):
     partner = tl.load(src + ((d + HALF) % DIM)[None, :], mask=mask, other=0.0).to(tl.float32)
     return tl.where((d < HALF)[None, :], x * cos[None, :] - partner * sin[None, :],
                     x * cos[None, :] + partner * sin[None, :])
-
-
-UNROLLED_MERGE = tl.constexpr(16)  # up to this many partitions the last program merges them in the accumulators
-                                    # layout, all loads issued at once; more: row by row (_merge_row)
 
 
 @triton.jit
