@@ -5,7 +5,8 @@
 Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughput (8B bf16, 128/128 and the
 long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
 quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone), decode_fusions
-(batch-1 decode of W8A16 and W4A16_AWQ with the decode GEMV's fusions off, each alone, all on), attn_sweep, timeline;
+(batch-1 decode of W8A16 and W4A16_AWQ with the decode GEMV's fusions off, each alone, all on), attn_sweep,
+attn_split, attn_small, attn_fused (decode attention in one kernel against three), timeline;
 --profile adds torch profiler tables.
 """
 from __future__ import annotations
@@ -679,6 +680,54 @@ def attn_split(args):
         torch.cuda.empty_cache()
     model_runner.SPLIT_SMALL_BATCHES = True
     tk.argmax_rows = triton_argmax
+
+
+@phase
+def attn_fused(args):
+    """Decode steps over a bf16 cache that decode_partitions splits: rope + cache write, attention and merge as
+    three kernels against triton_kernels.decode_attention (one kernel; its first tile loaded before the PDL wait or
+    after), µs a layer over 6 layers' caches; then batch-1 decode of the 8B shape (bf16, W4A16_AWQ + int4 LM head)
+    with FUSED_DECODE off and on, alternating rounds (the switch is read when the decode graphs are captured)."""
+    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.rotary import rope_cos_sin
+    from kiln.runtime.model_runner import decode_partitions
+    table = rope_cos_sin(8192, 128, 500000.0, None).to("cuda")
+    for batch, keys in [(1, 129), (1, 256), (1, 1024), (1, 4096), (8, 256), (16, 1024)]:
+        _, caches, tables, lens, starts, _ = _decode_attention_case(batch, (keys, keys), torch.bfloat16, layers=6)
+        qkv = torch.randn((batch, 48 * 128), device="cuda", dtype=torch.bfloat16)
+        slots = tables.gather(1, ((lens - 1) // 32)[:, None])[:, 0] * 32 + (lens - 1) % 32
+        parts, part_tokens = decode_partitions(batch * 8, keys, False)
+
+        def three(c):
+            q = tk.rope_and_cache(qkv, lens - 1, table, c, slots, 32, 8, 128)
+            return tk.paged_attention(q, c, tables, lens, starts, 1, 128 ** -0.5, None, num_parts=parts,
+                                      part_tokens=part_tokens)
+
+        def one(c, preload):
+            return tk.decode_attention(qkv, lens - 1, table, c, slots, tables, lens, 32, 8, 128, 128 ** -0.5, None,
+                                       num_parts=parts, part_tokens=part_tokens, preload=preload)
+
+        variants = {"three": three, "one": lambda c: one(c, True), "one_after_wait": lambda c: one(c, False)}
+        first = three(caches[0]).float()
+        err = max(((fn(caches[0]).float() - first).norm() / first.norm()).item() for fn in variants.values())
+        log(f"attn_fused_b{batch}_keys{keys}", " | ".join(
+            f"{label} {_graph_seconds([lambda c=c, f=fn: f(c) for c in caches]) * 1e6:.2f}us"
+            for label, fn in variants.items()) + f" | parts {parts} | err {err:.1e}")
+        del caches
+        torch.cuda.empty_cache()
+    for mode in ("bf16", "W4A16_AWQ+lm_head"):
+        quant, lm_head = _mode_quant(mode)
+        engine = _latency_engine(quant.quant_algo, 128, lm_head)
+        rounds = {False: [], True: []}
+        for _ in range(3):
+            for fused in (False, True):
+                tk.FUSED_DECODE = fused
+                rounds[fused].append(_engine_decode_tok_s(engine, quant.quant_algo, 128))
+        for fused, got in rounds.items():
+            log(f"attn_fused_{'on' if fused else 'off'}_{mode}_bs1_tok_s", f"median {sorted(got)[1]} all {got}")
+        del engine
+        torch.cuda.empty_cache()
+    tk.FUSED_DECODE = True
 
 
 def _median_ms(seconds: list[float]) -> float | None:
