@@ -600,7 +600,8 @@ _ARRIVALS: list[torch.Tensor] = []    # zeroed counters per device; older ones s
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters at 0 (the fused decode kernel leaves them at 0)."""
+    """n int32 counters at 0 (the fused decode kernel leaves them at 0). One set per device serves every launch
+    because the runtime issues a device's kernels on one stream: two decode kernels never run at once."""
     for counters in reversed(_ARRIVALS):
         if counters.device == device and counters.numel() >= n:
             return counters
