@@ -523,13 +523,15 @@ def _decode_attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)                # 0 on a CUDA graph's padded rows
     new_pos = seq_len - 1
-    first = part * PART_TOKENS
+    part_first = part * PART_TOKENS
+    part_end = part_first + PART_TOKENS
+    first = part_first
     low = -1                                                          # keys at or below it are outside the window
     if window > 0:
         low = new_pos - window
         first = tl.maximum(first, (tl.maximum(low + 1, 0) // TILE) * TILE)
-    owner = (new_pos >= part * PART_TOKENS) & (new_pos < part * PART_TOKENS + PART_TOKENS)
-    stop = tl.minimum(part * PART_TOKENS + PART_TOKENS, new_pos)      # cached keys: those before the new one
+    owner = (new_pos >= part_first) & (new_pos < part_end)
+    stop = tl.minimum(part_end, new_pos)                              # cached keys: those before the new one
     if PRELOAD:
         k, v = _kv_tile(cache_ptr, cache_half, table, first, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
     _wait_for_inputs(PDL)
@@ -586,6 +588,17 @@ def _decode_attention_kernel(
                                DIM, ".cg")
 
 
+def _partition_tokens(num_parts: int, part_tokens: int | None, block_tables: torch.Tensor, tokens_per_block: int,
+                      step: int) -> int:
+    """Keys per split-K partition (the PART_TOKENS constexpr), a multiple of the kernel's step: ONE_PARTITION
+    unsplit (the table's width varies between steps and would recompile), by default the whole block table."""
+    if num_parts == 1:
+        return ONE_PARTITION
+    if part_tokens is None:
+        part_tokens = block_tables.shape[1] * tokens_per_block
+    return triton.cdiv(part_tokens, step) * step
+
+
 def _split_k_partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 (m, l, acc) of every (token, head) row of out (T, H, D) and partition; out itself (unused) for one
     partition."""
@@ -630,10 +643,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     tokens = qkv.shape[0]
     tokens_per_block = kv_cache.shape[2]
     tile = tile or attention_config(1, kv_cache.dtype)[0]
-    if num_parts == 1:
-        part_tokens = ONE_PARTITION
-    else:
-        part_tokens = triton.cdiv(part_tokens or block_tables.shape[1] * tokens_per_block, tile) * tile
+    part_tokens = _partition_tokens(num_parts, part_tokens, block_tables, tokens_per_block, tile)
     out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     part_m, part_l, part_acc = _split_k_partials(out, num_parts)
     group = heads // kv_heads
@@ -691,12 +701,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     block_q = max(block_q, triton.cdiv(16, group_pad))                  # tl.dot needs at least 16 rows
     one_warp = (max_query_len == 1 and kv_scale is not None
                 and decode_mma(kv_cache.dtype, dim, group, tokens_per_block, q.device, mma))
-    if num_parts == 1:
-        part_tokens = ONE_PARTITION      # a constexpr: the table's width (it varies between steps) would recompile
-    elif part_tokens is None:
-        part_tokens = block_tables.shape[1] * tokens_per_block
-    step = mma_decode_attention.CHUNK if one_warp else tile
-    part_tokens = triton.cdiv(part_tokens, step) * step
+    part_tokens = _partition_tokens(num_parts, part_tokens, block_tables, tokens_per_block,
+                                    mma_decode_attention.CHUNK if one_warp else tile)
     out = torch.empty_like(q)
     part_m, part_l, part_acc = _split_k_partials(out, num_parts)
     if one_warp:
