@@ -403,7 +403,7 @@ def test_health_and_metrics(base):
 
 def test_log_lines(base, caplog):
     with caplog.at_level(logging.INFO, logger="kiln.server"):
-        response = post(base, "/v1/completions", {**GOOD, "prompt": "secret words", "user": "u-42"})
+        response = post(base, "/v1/completions", {**GOOD, "prompt": "secret words", "user": "u-42", "temperature": 0})
         deadline = time.time() + 10            # the line is written once the server has finished the response,
         while time.time() < deadline:          # which may be just after the client has read it
             lines = [r.getMessage() for r in caplog.records if response.headers["x-request-id"] in r.getMessage()]
