@@ -21,6 +21,8 @@ import time
 import traceback
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -299,13 +301,42 @@ def _gemv_sweep(bits: int, zero: bool):
     return best
 
 
+MMA_LAYOUTS = [(4, 2), (8, 2), (16, 2), (4, 4), (8, 4), (4, 8), (8, 1), (16, 1)]   # (warps, chunks a warp a step)
+
+
+@triton.jit
+def _spin_kernel(out_ptr, cycles, PDL: tl.constexpr):
+    """Programs that wait for the kernel before (PDL), let the next start launching and spin for `cycles` clocks."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    start = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    now = start
+    while now - start < cycles:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(out_ptr + tl.program_id(0), now - start)
+
+
+def _after_short_kernel(launches) -> float:
+    """Seconds a launch adds after a ~3 µs kernel on 32 programs (as a GEMV follows attention or a norm in a decode
+    step, its programs resident early through PDL): graph time of (spin, launch) pairs less the spins'."""
+    from kiln.kernels import triton_kernels as tk
+    out = torch.zeros(32, dtype=torch.int64, device="cuda")
+    spin = lambda: _spin_kernel[(32,)](out, 6000, **tk._launch())  # noqa: E731
+    spins = bench.graph_seconds([spin for _ in launches], repeats=5)
+    pairs = bench.graph_seconds([f for launch in launches for f in (spin, launch)], repeats=5)
+    return 2 * pairs - spins
+
+
 @phase
 def int4_mma(args):
     """int4 g128 with zero points on the 8B shapes, one kernel in a CUDA graph over enough weight copies that L2
-    holds none: the tensor-core product (kernels/int4_mma.py, its pack_grid) at 1/4/8/16 rows (2, 4, 8 and 16 warps
-    at one row) against the CUDA-core GEMV (its engine configuration and fp16 scale pairs, 1 and 4 rows), and the
-    dequantize kernel; µs and TB/s of the bytes each must read (float32 grid: the CUDA-core GEMV reads half its
-    scale bytes)."""
+    holds none: the tensor-core product (kernels/int4_mma.py, its pack_grid) at one row in every MMA_LAYOUTS layout,
+    alone and after a short kernel (_after_short_kernel: how MEASURED was chosen), and at 4/8/16 rows in its
+    default layout, against the CUDA-core GEMV (its engine configuration and fp16 scale pairs, 1 and 4 rows), and
+    the dequantize kernel; µs and TB/s of the bytes each must read (float32 grid: the CUDA-core GEMV reads half
+    its scale bytes)."""
     from kiln.kernels import int4_mma as mma
     from kiln.kernels import triton_kernels as tk
     for name, (n, k) in QUANT_SHAPES.items():
@@ -318,17 +349,22 @@ def int4_mma(args):
         zeros = [torch.rand((n, groups), device="cuda") * 15 for _ in range(copies)]
         grids = [mma.pack_grid(s, z) for s, z in zip(scales, zeros)]
         pairs = [tk.half_scale_pairs(s, z) for s, z in zip(scales, zeros)]
+        rate = lambda sec: f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"  # noqa: E731
         result = {}
         for rows in (1, 4, 8, 16):
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
-            for warps in (2, 4, 8, 16) if rows == 1 else (mma.num_warps(n, x.device),):
-                sec = _graph_seconds([lambda w=w, q=q: mma.gemv(x, w, q, tk._launch(), warps)
-                                      for w, q in zip(weights, grids)])
-                result[f"mma_{rows}_w{warps}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
+            for layout in MMA_LAYOUTS if rows == 1 else [None]:
+                launches = [lambda w=w, q=q: mma.gemv(x, w, q, tk._launch(), layout) for w, q in zip(weights, grids)]
+                label = f"mma_{rows}" + ("_w%d_c%d" % layout if layout else "")
+                result[label] = rate(_graph_seconds(launches))
+                if rows == 1:
+                    result[label] += f" after {_after_short_kernel(launches) * 1e6:.1f}us"
             if rows <= 4:
-                sec = _graph_seconds([lambda w=w, p=p: tk.weight_only_gemv(x, w.view(torch.uint8), p, None, 4)
-                                      for w, p in zip(weights, pairs)])
-                result[f"cuda_core_{rows}"] = f"{sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s"
+                launches = [lambda w=w, p=p: tk.weight_only_gemv(x, w.view(torch.uint8), p, None, 4)
+                            for w, p in zip(weights, pairs)]
+                result[f"cuda_core_{rows}"] = rate(_graph_seconds(launches))
+                if rows == 1:
+                    result["cuda_core_1"] += f" after {_after_short_kernel(launches) * 1e6:.1f}us"
         sec = _graph_seconds([lambda w=w, q=q: mma.dequantize(w, q, torch.bfloat16) for w, q in zip(weights[:2], grids)])
         result["dequantize"] = f"{sec * 1e6:.1f}us {(nbytes + n * k * 2) / sec / 1e12:.2f}TB/s"
         log(f"int4_mma_{name}", result)

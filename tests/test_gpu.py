@@ -261,7 +261,7 @@ def test_weight_only_gemv(algo, n, k, monkeypatch):
 
 
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)])
-@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (32, 256)])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     """int4 in the tensor cores' fragment layout (kernels/int4_mma.py): the mma.sync product of 1-16 rows against
@@ -282,8 +282,10 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     for rows in (1, 2, 3, 7, 8, 9, 16):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         ref = x.double() @ dequant.double().t()
-        out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"])
-        assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, rel_err(out, ref))
+        # the default layout, and others: one step for all chunks (8 a warp) or many, chunks that do not fill a step
+        for warps_steps in [None, (4, 2), (4, 8), (16, 1), (2, 4)] if rows in (1, 9) else [None]:
+            out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"], layout=warps_steps)
+            assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, warps_steps, rel_err(out, ref))
     for rows in (1, 16, 17, 32, 33):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)

@@ -11,7 +11,12 @@ FMAs (signed levels). Third version, bf16 at one row: 246 instructions per 128 v
 and each chunk's scales and zero points (pack_grid: one 16-byte load per lane; as separate (N, G) float32 rows they
 cost gate_up 30.0 -> 22.9 µs on an H200) in 16-byte loads. At one row it beats the CUDA-core GEMV where there are
 few row blocks (Llama-3.1-8B o 5.2 vs 6.1 µs, down 12.2 vs 17.7), not on qkv (8.1 vs 6.9) or gate_up (22.9 vs 21.9);
-cache hints (evict_first / .cg on the weights, evict_last on x) changed nothing.
+cache hints (evict_first / .cg on the weights, evict_last on x) changed nothing. A decode GEMV of one row is bound
+by how many bytes are in flight (Nsight Compute on the H200: long-scoreboard stalls first, 12–20 warps resident an
+SM on the 8B shapes, whose grids are barely a wave), so a warp takes its chunks in steps of 1–8 (`config`, chosen
+per shape after a short kernel, as in a decode step) with the next step's words and scales in flight, and the first
+step's loaded before the PDL wait: o_proj's warps hold all their chunks before attention ends (4.9 -> 3.5 µs).
+Staging the weights in shared memory with cp.async instead was slower (Triton's barriers around every stage).
 
 Layout (made at load, never stored): a row block of 16 rows × a chunk of 128 columns is 256 words; lane l = 4g + t
 holds words 8l … 8l + 7 (planes p = 0..7: 32 contiguous bytes, two 16-byte loads). As mma's A fragment, plane p of
@@ -24,8 +29,8 @@ chunk's float32 sums (fresh mma accumulators per chunk): Σ x·(q - z)·s = s·(
 operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from a second mma on a ones matrix. Chunks of 128
 columns hold one group: g128 or one group per row.
 
-B is x: lane (g, t) supplies column g (x row min(g, rows - 1)), so column n of the result is x row n; lane (g, t)
-receives columns 2t and 2t + 1. The kernel is written in Gluon (Triton's explicit-layout language), so that which
+B is x: lane (g, t) supplies column g (x row g; lanes past x's rows load nothing: their columns are never stored),
+so column n of the result is x row n; lane (g, t) receives columns 2t and 2t + 1. The kernel is written in Gluon (Triton's explicit-layout language), so that which
 lane holds which word is stated, not inferred.
 """
 from __future__ import annotations
@@ -157,21 +162,6 @@ if gluon is not None:
                 gl.expand_dims(gl.expand_dims(entry, 0), 1))
 
     @gluon.jit
-    def _load_x(x_lanes, kx, nchunk, EVEN: gl.constexpr):
-        """Each lane's 16 words of x (32 columns) of the warps' chunks kx (zeros past the last chunk)."""
-        if EVEN:
-            return gl.load(x_lanes + kx * 64)
-        return gl.load(x_lanes + kx * 64, mask=kx < nchunk, other=0)
-
-    @gluon.jit
-    def _load_chunk(w_lanes, x_lanes, kw, kx, nchunk, EVEN: gl.constexpr):
-        """The warps' chunks (kw, kx: their indices in the words' and x's layouts): each lane's 8 plane words and its
-        16 words of x (zeros past the last chunk)."""
-        if EVEN:
-            return gl.load(w_lanes + kw * 256), _load_x(x_lanes, kx, nchunk, EVEN)
-        return gl.load(w_lanes + kw * 256, mask=kw < nchunk, other=0), _load_x(x_lanes, kx, nchunk, EVEN)
-
-    @gluon.jit
     def _chunk(words, xs, d0, d1, d2, d3, e0, e1, L: gl.constexpr, FP16: gl.constexpr):
         """One chunk's 8 planes multiplied into D (rows × x columns) and E (Σ x per x column): plane i takes the
         lane's x words 2i, 2i + 1."""
@@ -203,11 +193,9 @@ if gluon is not None:
         gl.store(out_ptr + (col + 1) * N + row + 8, gl.sum(acc11, axis=0).to(out_t), mask=col + 1 < M)
 
     @gluon.jit
-    def _group_scales(grid_lanes, kc, ok, L: gl.constexpr, FP16: gl.constexpr):
-        """Scales of rows g, g + 8 (lane (g, t)) for the warps' groups kc (NW, 1, 1), from their 16 bytes of
-        pack_grid's, and their zero points in the A operand's units: z - 8 for fp16's signed levels, z + 128 for
-        bf16's M + q."""
-        v = gl.load(grid_lanes + kc * 32, mask=ok, other=0.0)                     # (NW, 32, 4)
+    def _grid_values(v, L: gl.constexpr, FP16: gl.constexpr):
+        """A lane's 16 bytes of pack_grid's (NW, 32, 4) → scales of rows g, g + 8 and their zero points in the A
+        operand's units: z - 8 for fp16's signed levels, z + 128 for bf16's M + q."""
         v = gl.reshape(v, [v.shape[0], 32, 2, 2])                                 # entry 2·(zero?) + h
         h0, h1 = gl.split(v)
         s0, z0 = gl.split(h0)
@@ -221,79 +209,134 @@ if gluon is not None:
                 gl.convert_layout(z1, L, assert_trivial=True) + OFFSET)
 
     @gluon.jit
-    def _chunk_sums(words, xs, kg, nchunk, grid_lanes, zero_f, s0, s1, c0, c1, a00, a01, a10, a11,
-                    L: gl.constexpr, GROUPED: gl.constexpr, FP16: gl.constexpr):
-        """One chunk of 8 x rows: its float32 sums from fresh mma accumulators (a long chain of tensor-core adds
-        would lose bits), scaled into the accumulators (GROUPED: with the scales of the warps' chunks kg)."""
-        d0, d1, d2, d3, e0, e1 = _chunk(words, xs, zero_f, zero_f, zero_f, zero_f, zero_f, zero_f, L, FP16)
-        if GROUPED:
-            s0, s1, c0, c1 = _group_scales(grid_lanes, kg, kg < nchunk, L, FP16)
-        return _scaled(a00, a01, a10, a11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1)
+    def _take(v, c: gl.constexpr, PARTS: gl.constexpr, L: gl.constexpr):
+        """Part c of a lane's PARTS (1, 2, 4, 8) equal parts along the last dimension of (NW, 32, PARTS·E) →
+        (NW, 32, E) in L (register moves only): the parts' index bits become trailing dimensions of 2, split off
+        lowest first."""
+        NW: gl.constexpr = v.shape[0]
+        E: gl.constexpr = v.shape[2] // PARTS
+        if PARTS > 1:
+            if PARTS == 2:
+                v = gl.permute(gl.reshape(v, [NW, 32, 2, E]), [0, 1, 3, 2])
+            elif PARTS == 4:
+                v = gl.permute(gl.reshape(v, [NW, 32, 2, 2, E]), [0, 1, 4, 2, 3])
+            else:
+                v = gl.permute(gl.reshape(v, [NW, 32, 2, 2, 2, E]), [0, 1, 5, 2, 3, 4])
+            lo, hi = gl.split(v)
+            if c % 2:
+                v = hi
+            else:
+                v = lo
+            if PARTS >= 4:
+                lo, hi = gl.split(v)
+                if (c // 2) % 2:
+                    v = hi
+                else:
+                    v = lo
+            if PARTS == 8:
+                lo, hi = gl.split(v)
+                if (c // 4) % 2:
+                    v = hi
+                else:
+                    v = lo
+        return gl.convert_layout(v, L, assert_trivial=True)
 
     @gluon.jit
-    def _step(w0, x0, w1, x1, xb, start, kg, kx, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-              a00, a01, a10, a11, b00, b01, b10, b11, L: gl.constexpr, GROUPED: gl.constexpr, FP16: gl.constexpr,
-              XGROUPS: gl.constexpr, NW: gl.constexpr, EVEN: gl.constexpr):
-        """The warps' chunks start + warp and start + NW + warp (loaded: w0, x0, w1, x1) into the accumulators of x
-        rows 0-7 (a) and, with XGROUPS > 1, rows 8-15 (b, whose x it loads now)."""
-        a00, a01, a10, a11 = _chunk_sums(w0, x0, start + kg, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-                                         a00, a01, a10, a11, L, GROUPED, FP16)
-        a00, a01, a10, a11 = _chunk_sums(w1, x1, start + NW + kg, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-                                         a00, a01, a10, a11, L, GROUPED, FP16)
-        if XGROUPS > 1:
-            y0 = _load_x(xb, start + kx, nchunk, EVEN)
-            y1 = _load_x(xb, start + NW + kx, nchunk, EVEN)
-            b00, b01, b10, b11 = _chunk_sums(w0, y0, start + kg, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-                                             b00, b01, b10, b11, L, GROUPED, FP16)
-            b00, b01, b10, b11 = _chunk_sums(w1, y1, start + NW + kg, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-                                             b00, b01, b10, b11, L, GROUPED, FP16)
-        return a00, a01, a10, a11, b00, b01, b10, b11
+    def _step_loads(w_ptr, grid_ptr, rb, step, ok, warp, lane_w, entry_w, warp_g, lane_g, entry_g, nchunk, GROUPS,
+                    NW: gl.constexpr, CPS: gl.constexpr, GROUPED: gl.constexpr):
+        """Step `step`'s CPS chunks of each warp, (step·CPS + j)·NW + warp of row block rb: their words (NW, 32,
+        8·CPS) and scales (NW, 32, 4·CPS; the row's, without groups). Chunks past the last, or all where ok is
+        false, read nothing."""
+        chunk_w = (step * CPS + entry_w // 8) * NW + warp
+        words = gl.load(w_ptr + (rb * nchunk + chunk_w).to(gl.int64) * 256 + lane_w * 8 + entry_w % 8,
+                        mask=ok & (chunk_w < nchunk), other=0)
+        chunk_g = (step * CPS + entry_g // 4) * NW + warp_g
+        if GROUPED:
+            group = chunk_g
+        else:
+            group = 0 * chunk_g
+        grids = gl.load(grid_ptr + (rb * GROUPS + group).to(gl.int64) * 32 + (lane_g // 4) * 4 + entry_g % 4,
+                        mask=ok & (chunk_g < nchunk), other=0.0)
+        return words, grids
+
+    @gluon.jit
+    def _step_products(words, grids, x0, xa, xb, xa_ok, xb_ok, step, kx, nchunk, zero_f, s0, s1, c0, c1,
+                       a00, a01, a10, a11, b00, b01, b10, b11, L: gl.constexpr, LW: gl.constexpr, LG: gl.constexpr,
+                       NW: gl.constexpr, CPS: gl.constexpr, GROUPED: gl.constexpr, FP16: gl.constexpr,
+                       XGROUPS: gl.constexpr):
+        """A step's CPS chunks a warp into the accumulators of x rows 0-7 (a) and 8-15 (b), each chunk's float32
+        sums from fresh mma accumulators (a long chain of tensor-core adds would lose bits); x0: the step's first
+        chunk of x rows 0-7, loaded; returns the next step's."""
+        for j in gl.static_range(CPS):
+            chunk = (step * CPS + j) * NW + kx
+            x1 = gl.load(xa + (chunk + NW) * 64, mask=xa_ok & (chunk + NW < nchunk), other=0)
+            if GROUPED:
+                s0, s1, c0, c1 = _grid_values(_take(grids, j, CPS, LG), L, FP16)
+            w = _take(words, j, CPS, LW)
+            d0, d1, d2, d3, e0, e1 = _chunk(w, x0, zero_f, zero_f, zero_f, zero_f, zero_f, zero_f, L, FP16)
+            a00, a01, a10, a11 = _scaled(a00, a01, a10, a11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1)
+            if XGROUPS > 1:
+                y = gl.load(xb + chunk * 64, mask=xb_ok & (chunk < nchunk), other=0)
+                d0, d1, d2, d3, e0, e1 = _chunk(w, y, zero_f, zero_f, zero_f, zero_f, zero_f, zero_f, L, FP16)
+                b00, b01, b10, b11 = _scaled(b00, b01, b10, b11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1)
+            x0 = x1
+        return x0, a00, a01, a10, a11, b00, b01, b10, b11
 
     @gluon.jit
     def _int4_mma_gemv_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, M, N, K, GROUPS, GROUPED: gl.constexpr,
-                              FP16: gl.constexpr, XGROUPS: gl.constexpr, NW: gl.constexpr, EVEN: gl.constexpr,
-                              PDL: gl.constexpr):
-        """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, one 16-row block per program; warp w takes chunks w and
-        w + NW of every 2·NW (both loaded before either is multiplied, the next two while they are) and the warps'
-        sums are added at the end. Each group of 8 x rows is one more mma per plane on the same A fragment.
-        EVEN: the chunks divide evenly among the warps' pairs (no masks)."""
+                              FP16: gl.constexpr, XGROUPS: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr,
+                              AHEAD: gl.constexpr, PDL: gl.constexpr):
+        """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, one 16-row block per program, its chunks dealt to the NW warps
+        (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8): the next step's words and
+        scales are in flight during a step's products (AHEAD: there is more than one step), and the first step's are
+        issued before the PDL wait — where one step covers the layer, a warp's whole share is read while the kernel
+        before finishes. x comes chunk by
+        chunk, one ahead, loaded only by the lanes whose B column is one of x's rows; each group of 8 x rows is one
+        more mma per plane on the same A fragment; the warps' sums are added at the end."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        LWS: gl.constexpr = gl.BlockedLayout([1, 1, 8 * CPS], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
         LX: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
         LG: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        LGS: gl.constexpr = gl.BlockedLayout([1, 1, 4 * CPS], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
         rb = gl.program_id(0)
         nchunk = K // 128
-        # per lane: its 8 plane words of chunk 0 (w_lanes), x's columns 32t … 32t + 31 (x rows g and g + 8 for
-        # xa and xb, as int32 pairs) and the 16 bytes of pack_grid's for rows g, g + 8 of group 0 (grid_lanes)
-        kw, lane_w, word = _index3(NW, 8, LW)
-        w_lanes = w_ptr + (rb * nchunk).to(gl.int64) * 256 + lane_w * 8 + word
+        steps = gl.cdiv(nchunk, CPS * NW)
+        # per lane: its 8 plane words of each of its chunks, the 16 bytes of pack_grid's for rows g, g + 8 of each
+        # chunk's group, and x's columns 32t … 32t + 31 (x rows g and g + 8 for xa and xb, as int32 pairs)
+        warp, lane_w, entry_w = _index3(NW, 8 * CPS, LWS)
+        warp_g, lane_g, entry_g = _index3(NW, 4 * CPS, LGS)
+        words, grids = _step_loads(w_ptr, grid_ptr, rb, 0, True, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
+                                   nchunk, GROUPS, NW, CPS, GROUPED)
         kx, lane_x, xword = _index3(NW, 16, LX)
         x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (lane_x % 4) * 16 + xword
         xa = x_words + gl.minimum(lane_x // 4, M - 1) * (K // 2)
         xb = x_words + gl.minimum(lane_x // 4 + 8, M - 1) * (K // 2)
-        kg, lane_g, entry = _index3(NW, 4, LG)
-        grid_lanes = grid_ptr + (rb * GROUPS).to(gl.int64) * 32 + (lane_g // 4) * 4 + entry
+        xa_ok = (lane_x // 4 < M) & (xword >= 0)              # B columns past x's rows: never stored
+        xb_ok = (lane_x // 4 + 8 < M) & (xword >= 0)
         zero_f = gl.zeros([NW, 32], gl.float32, L)
         a00, a01, a10, a11 = zero_f, zero_f, zero_f, zero_f
         b00, b01, b10, b11 = zero_f, zero_f, zero_f, zero_f
-        s0, s1, c0, c1 = _group_scales(grid_lanes, 0 * kg, kg >= 0, L, FP16)     # per row; GROUPED loads per chunk
-        w0, x0 = _load_chunk(w_lanes, xa, kw, kx, nchunk, EVEN)     # in flight while the kernel before finishes
-        w1, x1 = _load_chunk(w_lanes, xa, kw + NW, kx + NW, nchunk, EVEN)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        for start in range(0, nchunk, 2 * NW):
-            ahead = start + 2 * NW
-            if EVEN:                        # unmasked: the last step loads its own chunks again (from L2), not past them
-                ahead = gl.minimum(ahead, nchunk - 2 * NW)
-            next0 = _load_chunk(w_lanes, xa, ahead + kw, ahead + kx, nchunk, EVEN)
-            next1 = _load_chunk(w_lanes, xa, ahead + NW + kw, ahead + NW + kx, nchunk, EVEN)
-            a00, a01, a10, a11, b00, b01, b10, b11 = _step(
-                w0, x0, w1, x1, xb, start, kg, kx, nchunk, grid_lanes, zero_f, s0, s1, c0, c1,
-                a00, a01, a10, a11, b00, b01, b10, b11, L, GROUPED, FP16, XGROUPS, NW, EVEN)
-            w0, x0 = next0
-            w1, x1 = next1
+        s0, s1, c0, c1 = _grid_values(_take(grids, 0, CPS, LG), L, FP16)
+        x0 = gl.load(xa + kx * 64, mask=xa_ok & (kx < nchunk), other=0)
+        if AHEAD:
+            for step in range(steps):
+                following, following_grids = _step_loads(
+                    w_ptr, grid_ptr, rb, step + 1, step + 1 < steps, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
+                    nchunk, GROUPS, NW, CPS, GROUPED)
+                x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
+                    words, grids, x0, xa, xb, xa_ok, xb_ok, step, kx, nchunk, zero_f, s0, s1, c0, c1,
+                    a00, a01, a10, a11, b00, b01, b10, b11, L, LW, LG, NW, CPS, GROUPED, FP16, XGROUPS)
+                words = following
+                grids = following_grids
+        else:
+            x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
+                words, grids, x0, xa, xb, xa_ok, xb_ok, 0, kx, nchunk, zero_f, s0, s1, c0, c1,
+                a00, a01, a10, a11, b00, b01, b10, b11, L, LW, LG, NW, CPS, GROUPED, FP16, XGROUPS)
         _store_columns(out_ptr, a00, a01, a10, a11, rb, 0, M, N, L)
         if XGROUPS > 1:
             _store_columns(out_ptr, b00, b01, b10, b11, rb, 8, M, N, L)
@@ -337,19 +380,33 @@ def num_warps(n: int, device: torch.device) -> int:
     return 8 if few_row_blocks(n, device) else 4
 
 
+# (N, K) → (warps, chunks a warp per step) fastest at one decode row on an H200 for the Llama-3.1-8B shapes, timed
+# after a short kernel as in a decode step (gpu_suite.py --phases int4_mma; docs/performance.md, thirteenth session;
+# µs, the layout before → this one): o (4096, 4096) 4.9 → 3.5 (a warp's 4 chunks issued before the PDL wait), down
+# (4096, 14336) 12.6 → 12.1. Other shapes, and more than 8 rows: num_warps's warps, 2 chunks a step.
+MEASURED = {(4096, 4096): (8, 4), (4096, 14336): (16, 1)}
+
+
+def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(warps, chunks a warp per step) of the product of `rows` rows with an (N, K) layer."""
+    if rows <= 8 and (n, k) in MEASURED:
+        return MEASURED[n, k]
+    return num_warps(n, device), 2
+
+
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,
-         warps: int | None = None) -> torch.Tensor:
+         layout: tuple[int, int] | None = None) -> torch.Tensor:
     """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack) and their scales and zero
-    points (pack_grid): (rows, N) in x's dtype. warps: num_warps's by default (the GPU suite's int4_mma phase
-    sweeps it)."""
+    points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step; 1, 2, 4 or 8), config's by
+    default (the GPU suite's int4_mma phase sweeps it)."""
     m, k = x.shape
     n = words.shape[0]
     groups = grid.shape[1]
-    warps = warps or num_warps(n, x.device)
+    warps, step = layout or config(n, k, m, x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _int4_mma_gemv_kernel[(n // ROW_BLOCK,)](
         x.contiguous(), words, grid, out, m, n, k, groups, GROUPED=groups > 1, FP16=x.dtype == torch.float16,
-        XGROUPS=triton.cdiv(m, 8), NW=warps, EVEN=(k // CHUNK) % (2 * warps) == 0, num_warps=warps,
+        XGROUPS=triton.cdiv(m, 8), NW=warps, CPS=step, AHEAD=k // CHUNK > warps * step, num_warps=warps,
         **(launch or {"PDL": False}))
     return out
 
