@@ -749,7 +749,9 @@ GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor core
                       # it (_prefers_mma): products of ≤ 16 rows on mma.sync (kernels/int4_mma.py), more rows
                       # dequantized for cuBLAS; wins over the pairs of GEMV_SILU and the fp16 scales of
                       # GEMV_HALF_SCALES, which that kernel does not read. H200, one row (eighth session): o 6.1 ->
-                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core.
+                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core
+                      # (thirteenth session, int4_mma in steps: qkv 4.8 vs 6.0 µs after a short kernel, yet 488.8 vs
+                      # 494.4 tok/s in the model; gate_up 21.9 vs 21.4)
                       # "all": every int4 layer int4_mma takes
 # (N, K) → whether int4_mma's one-row product beat the CUDA-core GEMV (benchmarks/gpu_suite.py --phases int4_mma and
 # the decode GEMV's, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row blocks per SM,
