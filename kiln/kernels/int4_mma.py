@@ -290,9 +290,9 @@ if gluon is not None:
         (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8): the next step's words and
         scales are in flight during a step's products (AHEAD: there is more than one step), and the first step's are
         issued before the PDL wait — where one step covers the layer, a warp's whole share is read while the kernel
-        before finishes. x comes chunk by
-        chunk, one ahead, loaded only by the lanes whose B column is one of x's rows; each group of 8 x rows is one
-        more mma per plane on the same A fragment; the warps' sums are added at the end."""
+        before finishes. x comes chunk by chunk, one ahead, loaded only by the lanes whose B column is one of x's
+        rows; each group of 8 x rows is one more mma per plane on the same A fragment; the warps' sums are added at
+        the end."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
         LWS: gl.constexpr = gl.BlockedLayout([1, 1, 8 * CPS], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
