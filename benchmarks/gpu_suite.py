@@ -6,7 +6,8 @@ Phases: env (always), tests (pytest -m gpu), latency (8B bf16 batch 1), throughp
 long shapes unless --quick), load (build an 8B engine, save it, time load-to-first-token in a fresh process),
 quant (quant_kernels, quant_latency, quant_fp8_kernels, quant_fp8_throughput; each can run alone), decode_fusions
 (batch-1 decode of W8A16 and W4A16_AWQ with the decode GEMV's fusions off, each alone, all on), attn_sweep,
-attn_split, attn_small, attn_fused (decode attention in one kernel against three), timeline;
+attn_split, attn_small, attn_fused (decode attention in one kernel against three), decode_doubling (each kernel of
+the W4A16 batch-1 step made twice inside the decode graph: its cost where it runs), timeline;
 --profile adds torch profiler tables.
 """
 from __future__ import annotations
@@ -527,6 +528,55 @@ def decode_fusions(args):
             setattr(tk, name, value)
 
 
+# label → (triton_kernels function, which of its calls to repeat); the products by their (N, K) at the 8B shape
+_REPEATABLE = {
+    "qkv": ("quant_linear", (6144, 4096)), "o": ("quant_linear", (4096, 4096)),
+    "gate_up": ("quant_linear", (28672, 4096)), "down": ("quant_linear", (4096, 14336)),
+    "lm_head": ("quant_linear", (128256, 4096)), "norm": ("add_rms_norm", None), "silu": ("silu_and_mul", None),
+    "attention": ("decode_attention", None),
+}
+
+
+def _repeated(fn, shape):
+    """fn, each call (with a product of that (N, K) if shape) made twice, the first result dropped."""
+    def run(*args, **kwargs):
+        if shape is None or (tuple(args[2]["weight"].shape[:1]) + tuple(args[0].shape[-1:])) == shape:
+            fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+@phase
+def decode_doubling(args):
+    """What each kernel of a W4A16_AWQ (+ int4 LM head) batch-1 decode step costs where it runs — inside the decode
+    graph, with PDL overlapping its neighbours — measured by making each of its calls twice (the first result
+    dropped; the values go wrong, the times do not) and taking the difference in time a step: rounds alternating
+    over the variants, median of 3. Divide by the calls a step (32 a layer op, 64 + 1 norms, 1 LM head)."""
+    from kiln.kernels import triton_kernels as tk
+    engine = _latency_engine("W4A16_AWQ", 128, lm_head=True)
+    saved = {name: getattr(tk, name) for name, _ in _REPEATABLE.values()}
+    labels = ["none", *(args.doubling_labels.split(",") if args.doubling_labels else _REPEATABLE)]
+    rounds = {label: [] for label in labels}
+    try:
+        for _ in range(3):
+            for label in labels:
+                for name, fn in saved.items():
+                    setattr(tk, name, fn)
+                if label != "none":
+                    name, shape = _REPEATABLE[label]
+                    setattr(tk, name, _repeated(saved[name], shape))
+                rounds[label].append(_engine_decode_tok_s(engine, "W4A16_AWQ", 128))
+    finally:
+        for name, fn in saved.items():
+            setattr(tk, name, fn)
+    base = sorted(rounds["none"])[1]
+    for label, got in rounds.items():
+        tok_s = sorted(got)[1]
+        log(f"decode_doubling_{label}", f"{tok_s} tok/s, +{1e3 / tok_s - 1e3 / base:.3f} ms a step | all {got}")
+    del engine
+    torch.cuda.empty_cache()
+
+
 @phase
 def pdl(args):
     """Batch-1 decode with programmatic dependent launch off and on (bf16, W8A16, W4A16_AWQ g128)."""
@@ -894,6 +944,8 @@ def main():
     p.add_argument("--latency_modes", default="W4A16_AWQ,W8A16", help="modes of quant_latency (+lm_head)")
     p.add_argument("--fusion_labels", default="", help="decode_fusions' variants to run (off, silu, ..., all, "
                    "all_but_mma, default, default_but_mma, ...: its docstring; empty: every one)")
+    p.add_argument("--doubling_labels", default="", help="decode_doubling's kernels to repeat (qkv, o, gate_up, "
+                   "down, lm_head, norm, silu, attention; empty: every one)")
     p.add_argument("--attn_dtypes", default="float8_e4m3fn,int8", help="cache dtypes of attn_sweep")
     p.add_argument("--timeline_modes", default="FP8_PER_CHANNEL_PER_TOKEN,FP8_PER_CHANNEL_PER_TOKEN+FP8,bf16")
     p.add_argument("--test_paths", default="tests/test_gpu.py", help="comma-separated pytest paths of the tests phase")
