@@ -27,6 +27,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kiln.kernels import triton_kernels as tk  # noqa: E402  (the spin kernel calls its PDL wait)
+
 from kiln import LLM, SamplingConfig  # noqa: E402
 from kiln import benchmark as bench  # noqa: E402
 
@@ -308,10 +310,7 @@ MMA_LAYOUTS = [(4, 2), (8, 2), (16, 2), (4, 4), (8, 4), (4, 8), (8, 1), (16, 1)]
 @triton.jit
 def _spin_kernel(out_ptr, cycles, PDL: tl.constexpr):
     """Programs that wait for the kernel before (PDL), let the next start launching and spin for `cycles` clocks."""
-    if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    tk._wait_for_inputs(PDL)
     start = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     now = start
     while now - start < cycles:
@@ -322,7 +321,6 @@ def _spin_kernel(out_ptr, cycles, PDL: tl.constexpr):
 def _after_short_kernel(launches) -> float:
     """Seconds a launch adds after a ~3 µs kernel on 32 programs (as a GEMV follows attention or a norm in a decode
     step, its programs resident early through PDL): graph time of (spin, launch) pairs less the spins'."""
-    from kiln.kernels import triton_kernels as tk
     out = torch.zeros(32, dtype=torch.int64, device="cuda")
     spin = lambda: _spin_kernel[(32,)](out, 6000, **tk._launch())  # noqa: E731
     spins = bench.graph_seconds([spin for _ in launches], repeats=5)
@@ -551,7 +549,8 @@ def decode_doubling(args):
     """What each kernel of a W4A16_AWQ (+ int4 LM head) batch-1 decode step costs where it runs — inside the decode
     graph, with PDL overlapping its neighbours — measured by making each of its calls twice (the first result
     dropped; the values go wrong, the times do not) and taking the difference in time a step: rounds alternating
-    over the variants, median of 3. Divide by the calls a step (32 a layer op, 64 + 1 norms, 1 LM head)."""
+    over the variants, median of 3. Divide by the calls a step (32 a layer op, 64 norms — add_rms_norm; the first layer's rms_norm is not
+    repeated — and 1 LM head)."""
     from kiln.kernels import triton_kernels as tk
     engine = _latency_engine("W4A16_AWQ", 128, lm_head=True)
     saved = {name: getattr(tk, name) for name, _ in _REPEATABLE.values()}

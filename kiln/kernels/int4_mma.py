@@ -12,7 +12,7 @@ and each chunk's scales and zero points (pack_grid: one 16-byte load per lane; a
 cost gate_up 30.0 -> 22.9 µs on an H200) in 16-byte loads. At one row it beats the CUDA-core GEMV where there are
 few row blocks (Llama-3.1-8B o 5.2 vs 6.1 µs, down 12.2 vs 17.7), not on qkv (8.1 vs 6.9) or gate_up (22.9 vs 21.9);
 cache hints (evict_first / .cg on the weights, evict_last on x) changed nothing. A decode GEMV of one row is bound
-by how many bytes are in flight (Nsight Compute on the H200: long-scoreboard stalls first, 12–20 warps resident an
+by how many bytes are in flight (Nsight Compute on the H200: long-scoreboard stalls first, 10–18 warps resident an
 SM on the 8B shapes, whose grids are barely a wave), so a warp takes its chunks in steps of 1–8 (`config`, chosen
 per shape after a short kernel, as in a decode step) with the next step's words and scales in flight, and the first
 step's loaded before the PDL wait: o_proj's warps hold all their chunks before attention ends (4.9 -> 3.5 µs).
@@ -30,8 +30,8 @@ operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from a second
 columns hold one group: g128 or one group per row.
 
 B is x: lane (g, t) supplies column g (x row g; lanes past x's rows load nothing: their columns are never stored),
-so column n of the result is x row n; lane (g, t) receives columns 2t and 2t + 1. The kernel is written in Gluon (Triton's explicit-layout language), so that which
-lane holds which word is stated, not inferred.
+so column n of the result is x row n; lane (g, t) receives columns 2t and 2t + 1. The kernel is written in Gluon
+(Triton's explicit-layout language), so that which lane holds which word is stated, not inferred.
 """
 from __future__ import annotations
 
