@@ -304,7 +304,8 @@ def _gemv_sweep(bits: int, zero: bool):
     return best
 
 
-MMA_LAYOUTS = [(4, 2), (8, 2), (16, 2), (4, 4), (8, 4), (4, 8), (8, 1), (16, 1)]   # (warps, chunks a warp a step)
+MMA_LAYOUTS = [(4, 2, 1), (8, 2, 1), (16, 1, 1), (8, 4, 1), (4, 8, 1), (4, 2, 2), (4, 4, 2), (2, 2, 4),
+               (4, 1, 4)]                   # (warps, chunks a warp a step, row blocks a program)
 
 
 @triton.jit
@@ -354,7 +355,7 @@ def int4_mma(args):
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
             for layout in MMA_LAYOUTS if rows == 1 else [None]:
                 launches = [lambda w=w, q=q: mma.gemv(x, w, q, tk._launch(), layout) for w, q in zip(weights, grids)]
-                label = f"mma_{rows}" + ("_w%d_c%d" % layout if layout else "")
+                label = f"mma_{rows}" + ("_w%d_c%d_r%d" % layout if layout else "")
                 result[label] = rate(_graph_seconds(launches))
                 if rows == 1:
                     result[label] += f" after {_after_short_kernel(launches) * 1e6:.1f}us"

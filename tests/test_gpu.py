@@ -282,10 +282,12 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
     for rows in (1, 2, 3, 7, 8, 9, 16):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         ref = x.double() @ dequant.double().t()
-        # the default layout, and others: one step for all chunks (8 a warp) or many, chunks that do not fill a step
-        for warps_steps in [None, (4, 2), (4, 8), (16, 1), (2, 4)] if rows in (1, 9) else [None]:
-            out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"], layout=warps_steps)
-            assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, warps_steps, rel_err(out, ref))
+        # the default layout, and others: one step for all chunks (8 a warp) or many, chunks that do not fill a step,
+        # 2-8 row blocks a program (row blocks that do not fill a program)
+        layouts = [None, (4, 2, 1), (4, 8, 1), (16, 1, 1), (2, 4, 1), (4, 2, 2), (4, 1, 4), (8, 1, 8), (2, 2, 4)]
+        for mma_layout in layouts if rows in (1, 2, 9) else [None]:
+            out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"], layout=mma_layout)
+            assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, mma_layout, rel_err(out, ref))
     for rows in (1, 16, 17, 32, 33):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)

@@ -7,16 +7,19 @@ it at 1.9–2.8 TB/s. Here one int32 word is exactly one lane's share of a 16×1
 four `lop3`s (three shifts) OR the levels into the mantissa of a power of two M, giving M + q exactly, and one mma
 multiplies the four pairs by x. bf16 (M = 128) multiplies M + q as it is and takes (M + z)·Σ x off per group;
 fp16 (M = 1024, whose offset would cost too many of the accumulator's bits) first subtracts M + 8 with four packed
-FMAs (signed levels). Third version, bf16 at one row: 246 instructions per 128 values (1.9 a value), weights, x
-and each chunk's scales and zero points (pack_grid: one 16-byte load per lane; as separate (N, G) float32 rows they
-cost gate_up 30.0 -> 22.9 µs on an H200) in 16-byte loads. At one row it beats the CUDA-core GEMV where there are
-few row blocks (Llama-3.1-8B o 5.2 vs 6.1 µs, down 12.2 vs 17.7), not on qkv (8.1 vs 6.9) or gate_up (22.9 vs 21.9);
-cache hints (evict_first / .cg on the weights, evict_last on x) changed nothing. A decode GEMV of one row is bound
-by how many bytes are in flight (Nsight Compute on the H200: long-scoreboard stalls first, 10–18 warps resident an
-SM on the 8B shapes, whose grids are barely a wave), so a warp takes its chunks in steps of 1–8 (`config`, chosen
-per shape after a short kernel, as in a decode step) with the next step's words and scales in flight, and the first
-step's loaded before the PDL wait: o_proj's warps hold all their chunks before attention ends (4.9 -> 3.5 µs).
-Staging the weights in shared memory with cp.async instead was slower (Triton's barriers around every stage).
+FMAs (signed levels). Weights, x and each chunk's scales and zero points (pack_grid: one 16-byte load per lane; as
+separate (N, G) float32 rows they cost gate_up 30.0 -> 22.9 µs on an H200) come in 16-byte loads.
+
+What bounds it at one row is instruction issue, not DRAM: on the H200 the 8B gate_up's words alone stream in 15.6 µs
+through TMA into shared memory, the products alone (no weight loads) took 18.2 µs, and both 22.8 — so staging the
+words in shared memory (TMA or cp.async), however deep, changes nothing, and every instruction saved a chunk counts.
+Fourth version (sm_90 SASS, bf16, one row, per chunk of a row block): 138 → 121 instructions with one row block a
+program, 104 with two (gate_up) — Σ x of a chunk in one mma instead of eight (_ROW_SUM; eight chained on the same
+C registers, no zeroing, for more rows), shared by the RB row blocks of a program together with x's B fragments;
+no products for x row 1 at one row; EVEN shapes without masks (masked loads zero their registers first). A warp
+takes its chunks in steps of 1–8 (`config`, chosen per shape after a short kernel, as in a decode step) with the
+next step's words and scales in flight, the first step's loaded before the PDL wait: o_proj's warps hold all
+their chunks before attention ends.
 
 Layout (made at load, never stored): a row block of 16 rows × a chunk of 128 columns is 256 words; lane l = 4g + t
 holds words 8l … 8l + 7 (planes p = 0..7: 32 contiguous bytes, two 16-byte loads). As mma's A fragment, plane p of
@@ -26,7 +29,7 @@ same for any order of its reduction as long as A and B agree, and the kernel's i
 the chunk, so that lane t's B fragments for all eight planes are x's 32 contiguous columns 32t … 32t + 31 (64
 bytes, four 16-byte loads; words 2p, 2p + 1 are plane p's). Each group's scale and zero point are applied to a
 chunk's float32 sums (fresh mma accumulators per chunk): Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x) for the A
-operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from a second mma on a ones matrix. Chunks of 128
+operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from mma on a ones matrix. Chunks of 128
 columns hold one group: g128 or one group per row.
 
 B is x: lane (g, t) supplies column g (x row g; lanes past x's rows load nothing: their columns are never stored),
@@ -108,38 +111,79 @@ def pack_grid(scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
 
 
 if gluon is not None:
-    # One lane's word → four pairs of levels OR-ed into the mantissa of M (M + q, exact; fp16 then subtracts M + 8:
-    # signed levels) → D += A·B, E += ones·B (the sums of x's columns over the plane).
-    def _plane_asm(fp16: bool) -> str:
+    # PTX of the products. _PLANE: one lane's word → four pairs of levels OR-ed into the mantissa of M (M + q, exact;
+    # fp16 then subtracts M + 8: signed levels), D += A·B. _SUMS: E += ones·B, the sums of x's columns over the
+    # plane (its C chained through all four registers: no zeroing). _ROW_SUM: Σ of one x row's 128 values of a
+    # chunk in one mma — A holds them as 8 rows × 16 (x[16g + k]; rows 8-15 zero), B is ones, so lane (g, t) gets
+    # row g's sum, added over the 8 rows by three butterfly shuffles.
+    def _kind(fp16: bool) -> tuple[str, str, str]:
         kind, magic, one = ("f16", "0x64006400", "0x3C003C00") if fp16 else ("bf16", "0x43004300", "0x3F803F80")
-        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+        return kind, magic, one
+
+    def _mma(fp16: bool) -> str:
+        kind = _kind(fp16)[0]
+        return f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+
+    def _plane_asm(fp16: bool) -> str:
+        kind, magic, one = _kind(fp16)
         signed = f"fma.rn.{kind}x2 a{{i}}, a{{i}}, one, minus;" if fp16 else ""
         level = " ".join(f"lop3.b32 a{i}, s{i}, 0x000F000F, {magic}, 0xEA; " + signed.format(i=i) for i in range(4))
-        minus = "mov.b32 minus, 0xE408E408; " if fp16 else ""
-        return ("{ .reg .b32 a0, a1, a2, a3, s0, s1, s2, s3, one, minus; .reg .f32 e2, e3, z; "
-                f"mov.b32 one, {one}; {minus}mov.f32 z, 0f00000000; "
-                "mov.b32 s0, $6; shr.u32 s1, $6, 4; shr.u32 s2, $6, 8; shr.u32 s3, $6, 12; "
-                f"{level} "
-                f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{$7, $8}}, {{$9, $10, $11, $12}}; "
-                f"{mma} {{$4, $5, e2, e3}}, {{one, one, one, one}}, {{$7, $8}}, {{$13, $14, z, z}}; }}")
+        constants = f".reg .b32 one, minus; mov.b32 one, {one}; mov.b32 minus, 0xE408E408; " if fp16 else ""
+        return ("{ .reg .b32 a0, a1, a2, a3, s0, s1, s2, s3; " + constants +
+                "mov.b32 s0, $4; shr.u32 s1, $4, 4; shr.u32 s2, $4, 8; shr.u32 s3, $4, 12; "
+                f"{level} {_mma(fp16)} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{$5, $6}}, {{$7, $8, $9, $10}}; }}")
 
-    _BF16_PLANE = gl.constexpr(_plane_asm(False))
-    _FP16_PLANE = gl.constexpr(_plane_asm(True))
+    def _sums_asm(fp16: bool) -> str:
+        return (f"{{ .reg .b32 one; mov.b32 one, {_kind(fp16)[2]}; "
+                f"{_mma(fp16)} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{$4, $5}}, {{$6, $7, $8, $9}}; }}")
+
+    def _row_sum_asm(fp16: bool) -> str:
+        shuffles = " ".join(f"shfl.sync.bfly.b32 t, $0, {lane}, 0x1f, -1; add.f32 $0, $0, t;" for lane in (4, 8, 16))
+        return ("{ .reg .b32 one, zr; .reg .f32 d1, d2, d3, z, t; "
+                f"mov.b32 one, {_kind(fp16)[2]}; mov.b32 zr, 0; mov.f32 z, 0f00000000; "
+                f"{_mma(fp16)} {{$0, d1, d2, d3}}, {{$1, zr, $2, zr}}, {{one, one}}, {{z, z, z, z}}; {shuffles} }}")
+
+    _BF16_PLANE, _FP16_PLANE = gl.constexpr(_plane_asm(False)), gl.constexpr(_plane_asm(True))
+    _BF16_SUMS, _FP16_SUMS = gl.constexpr(_sums_asm(False)), gl.constexpr(_sums_asm(True))
+    _BF16_ROW_SUM, _FP16_ROW_SUM = gl.constexpr(_row_sum_asm(False)), gl.constexpr(_row_sum_asm(True))
 
     @gluon.jit
-    def _plane(word, xa, xb, d0, d1, d2, d3, e0, e1, FP16: gl.constexpr):
+    def _plane(word, xa, xb, d0, d1, d2, d3, FP16: gl.constexpr):
         if FP16:
             asm: gl.constexpr = _FP16_PLANE
         else:
             asm: gl.constexpr = _BF16_PLANE
-        return gl.inline_asm_elementwise(asm, "=f,=f,=f,=f,=f,=f,r,r,r,f,f,f,f,f,f",
-                                         [word, xa, xb, d0, d1, d2, d3, e0, e1],
-                                         dtype=(gl.float32,) * 6, is_pure=True, pack=1)
+        return gl.inline_asm_elementwise(asm, "=f,=f,=f,=f,r,r,r,f,f,f,f", [word, xa, xb, d0, d1, d2, d3],
+                                         dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _plane_sums(xa, xb, e0, e1, e2, e3, FP16: gl.constexpr):
+        if FP16:
+            asm: gl.constexpr = _FP16_SUMS
+        else:
+            asm: gl.constexpr = _BF16_SUMS
+        return gl.inline_asm_elementwise(asm, "=f,=f,=f,=f,r,r,f,f,f,f", [xa, xb, e0, e1, e2, e3],
+                                         dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _row_sum(xe, L: gl.constexpr, FP16: gl.constexpr):
+        """Σ of x row 0's chunk from (NW, 32, 2) words (lane (g, t): words 8g + t and 8g + t + 4), in every lane."""
+        if FP16:
+            asm: gl.constexpr = _FP16_ROW_SUM
+        else:
+            asm: gl.constexpr = _BF16_ROW_SUM
+        lo, hi = gl.split(xe)
+        total = gl.inline_asm_elementwise(asm, "=f,r,r", [lo, hi], dtype=gl.float32, is_pure=True, pack=1)
+        return gl.convert_layout(total, L, assert_trivial=True)
+
+    @triton.constexpr_function
+    def _in_eighths(shape):
+        return [*shape[:-1], 2, 2, 2]
 
     @gluon.jit
     def _eighths(w, L: gl.constexpr):
-        """(NW, 32, 8) → its entries j = 0..7 along the last dimension, each (NW, 32) in L (register moves only)."""
-        w = gl.reshape(w, [w.shape[0], 32, 2, 2, 2])                      # j = 4a + 2b + c
+        """(..., 8) → its entries j = 0..7 along the last dimension, each (...) in L (register moves only)."""
+        w = gl.reshape(w, _in_eighths(w.shape))                          # j = 4a + 2b + c
         c0, c1 = gl.split(w)
         b00, b01 = gl.split(c0)
         b10, b11 = gl.split(c1)
@@ -161,42 +205,70 @@ if gluon is not None:
         return (gl.expand_dims(gl.expand_dims(warp, 1), 2), gl.expand_dims(gl.expand_dims(lane, 0), 2),
                 gl.expand_dims(gl.expand_dims(entry, 0), 1))
 
+    @triton.constexpr_function
+    def _lanes(warps, entries):
+        """The layout of (warps, 32, entries): warp w's lanes hold its row, each lane `entries` entries."""
+        return gl.BlockedLayout([1, 1, entries], [1, 32, 1], [warps, 1, 1], [2, 1, 0])
+
     @gluon.jit
-    def _chunk(words, xs, d0, d1, d2, d3, e0, e1, L: gl.constexpr, FP16: gl.constexpr):
-        """One chunk's 8 planes multiplied into D (rows × x columns) and E (Σ x per x column): plane i takes the
-        lane's x words 2i, 2i + 1."""
-        planes = _eighths(words, L)
+    def _wide(t, L3: gl.constexpr):
+        """(NW, 32) → (NW, 32, 1) in L3's slice: the same value for each of a program's row blocks."""
+        return gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(2, L3)), 2)
+
+    @gluon.jit
+    def _x_sums(xs, L: gl.constexpr, FP16: gl.constexpr):
+        """Σ of the chunk's columns of x for lane (g, t)'s B columns 2t, 2t + 1, from its x words (NW, 32, 16)."""
         pairs = gl.reshape(xs, [xs.shape[0], 32, 8, 2])
         xa, xb = gl.split(pairs)
         xa = _eighths(xa, L)
         xb = _eighths(xb, L)
+        e0 = gl.zeros([xs.shape[0], 32], gl.float32, L)
+        e1, e2, e3 = e0, e0, e0
         for i in gl.static_range(8):
-            d0, d1, d2, d3, e0, e1 = _plane(planes[i], xa[i], xb[i], d0, d1, d2, d3, e0, e1, FP16)
-        return d0, d1, d2, d3, e0, e1
+            e0, e1, e2, e3 = _plane_sums(xa[i], xb[i], e0, e1, e2, e3, FP16)
+        return e0, e1
 
     @gluon.jit
-    def _scaled(acc00, acc01, acc10, acc11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1):
-        """Accumulators += the chunk's (or the row's) sums with their scales and zero points applied."""
-        return (acc00 + s0 * (d0 - c0 * e0), acc01 + s0 * (d1 - c0 * e1),
-                acc10 + s1 * (d2 - c1 * e0), acc11 + s1 * (d3 - c1 * e1))
+    def _chunk(planes, xs, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L: gl.constexpr, L3: gl.constexpr,
+               FP16: gl.constexpr, ONE_ROW: gl.constexpr):
+        """One chunk of the program's RB row blocks (8 planes, each (NW, 32, RB)) times 8 x rows (x words xs) into
+        the accumulators, each chunk's float32 sums from fresh mma accumulators (a long chain of tensor-core adds
+        would lose bits) with the group's scales and zero points applied: Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x)
+        for the A operand's a = q - a₀. ONE_ROW: x row 1 (columns 2t + 1) is not computed."""
+        pairs = gl.reshape(xs, [xs.shape[0], 32, 8, 2])
+        xa, xb = gl.split(pairs)
+        xa = _eighths(xa, L)
+        xb = _eighths(xb, L)
+        d0 = gl.zeros(planes[0].shape, gl.float32, L3)
+        d1, d2, d3 = d0, d0, d0
+        for i in gl.static_range(8):
+            d0, d1, d2, d3 = _plane(planes[i], _wide(xa[i], L3), _wide(xb[i], L3), d0, d1, d2, d3, FP16)
+        e0 = _wide(e0, L3)
+        a00 = a00 + s0 * (d0 - c0 * e0)
+        a10 = a10 + s1 * (d2 - c1 * e0)
+        if not ONE_ROW:
+            e1 = _wide(e1, L3)
+            a01 = a01 + s0 * (d1 - c0 * e1)
+            a11 = a11 + s1 * (d3 - c1 * e1)
+        return a00, a01, a10, a11
 
     @gluon.jit
-    def _store_columns(out_ptr, acc00, acc01, acc10, acc11, rb, first, M, N, L: gl.constexpr):
-        """The warps' sums of x rows first + 2t, first + 2t + 1 (lane (g, t)) for weight rows g, g + 8."""
-        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
-        row = rb * 16 + lane // 4
-        col = first + 2 * (lane % 4)
-        out_t = out_ptr.dtype.element_ty
-        gl.store(out_ptr + col * N + row, gl.sum(acc00, axis=0).to(out_t), mask=col < M)
-        gl.store(out_ptr + (col + 1) * N + row, gl.sum(acc01, axis=0).to(out_t), mask=col + 1 < M)
-        gl.store(out_ptr + col * N + row + 8, gl.sum(acc10, axis=0).to(out_t), mask=col < M)
-        gl.store(out_ptr + (col + 1) * N + row + 8, gl.sum(acc11, axis=0).to(out_t), mask=col + 1 < M)
+    def _store_columns(out_ptr, acc, rb0, half, col, M, N, L3: gl.constexpr):
+        """The warps' sums (NW, 32, RB) of x rows col + 2t (lane (g, t)) for weight rows g + 8·half of the row blocks
+        rb0 … rb0 + RB - 1."""
+        S: gl.constexpr = gl.SliceLayout(0, L3)
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
+        block = gl.expand_dims(gl.arange(0, acc.shape[2], layout=gl.SliceLayout(0, S)), 0)
+        row = (rb0 + block) * 16 + lane // 4 + 8 * half
+        c = col + 2 * (lane % 4)
+        gl.store(out_ptr + c * N + row, gl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=(c < M) & (row < N))
 
     @gluon.jit
-    def _grid_values(v, L: gl.constexpr, FP16: gl.constexpr):
-        """A lane's 16 bytes of pack_grid's (NW, 32, 4) → scales of rows g, g + 8 and their zero points in the A
-        operand's units: z - 8 for fp16's signed levels, z + 128 for bf16's M + q."""
-        v = gl.reshape(v, [v.shape[0], 32, 2, 2])                                 # entry 2·(zero?) + h
+    def _grid_values(v, L3: gl.constexpr, FP16: gl.constexpr):
+        """A lane's 16 bytes of pack_grid's for each row block, (NW, 32, 4·RB) → scales of rows g, g + 8 and their
+        zero points in the A operand's units (z - 8 for fp16's signed levels, z + 128 for bf16's M + q), each
+        (NW, 32, RB)."""
+        v = gl.reshape(v, [v.shape[0], 32, v.shape[2] // 4, 2, 2])                 # entry 2·(zero?) + h
         h0, h1 = gl.split(v)
         s0, z0 = gl.split(h0)
         s1, z1 = gl.split(h1)
@@ -204,9 +276,9 @@ if gluon is not None:
             OFFSET: gl.constexpr = -8.0
         else:
             OFFSET: gl.constexpr = 128.0
-        return (gl.convert_layout(s0, L, assert_trivial=True), gl.convert_layout(s1, L, assert_trivial=True),
-                gl.convert_layout(z0, L, assert_trivial=True) + OFFSET,
-                gl.convert_layout(z1, L, assert_trivial=True) + OFFSET)
+        return (gl.convert_layout(s0, L3, assert_trivial=True), gl.convert_layout(s1, L3, assert_trivial=True),
+                gl.convert_layout(z0, L3, assert_trivial=True) + OFFSET,
+                gl.convert_layout(z1, L3, assert_trivial=True) + OFFSET)
 
     @gluon.jit
     def _take(v, c: gl.constexpr, PARTS: gl.constexpr, L: gl.constexpr):
@@ -242,104 +314,139 @@ if gluon is not None:
         return gl.convert_layout(v, L, assert_trivial=True)
 
     @gluon.jit
-    def _step_loads(w_ptr, grid_ptr, rb, step, ok, warp, lane_w, entry_w, warp_g, lane_g, entry_g, nchunk, GROUPS,
-                    NW: gl.constexpr, CPS: gl.constexpr, GROUPED: gl.constexpr):
-        """Step `step`'s CPS chunks of each warp, (step·CPS + j)·NW + warp of row block rb: their words (NW, 32,
-        8·CPS) and scales (NW, 32, 4·CPS; the row's, without groups). Chunks past the last, or all where ok is
-        false, read nothing."""
-        chunk_w = (step * CPS + entry_w // 8) * NW + warp
-        words = gl.load(w_ptr + (rb * nchunk + chunk_w).to(gl.int64) * 256 + lane_w * 8 + entry_w % 8,
-                        mask=ok & (chunk_w < nchunk), other=0)
-        chunk_g = (step * CPS + entry_g // 4) * NW + warp_g
+    def _step_loads(w_ptr, grid_ptr, rb0, step, ok, warp, lane_w, entry_w, warp_g, lane_g, entry_g, nchunk, nrb,
+                    GROUPS, NW: gl.constexpr, CPS: gl.constexpr, RB: gl.constexpr, GROUPED: gl.constexpr,
+                    EVEN: gl.constexpr):
+        """Step `step`'s CPS chunks of each warp, (step·CPS + j)·NW + warp, of row blocks rb0 … rb0 + RB - 1:
+        their words (NW, 32, 8·RB·CPS; chunk j's row block r at 8·(j·RB + r)) and scales (NW, 32, 4·RB·CPS; the
+        row's, without groups). Chunks past the last, or all where ok is false, read nothing — EVEN (every step
+        whole, the row blocks too): a step past the last re-reads the last, which is never used."""
+        if EVEN:
+            step = gl.minimum(step, nchunk // (CPS * NW) - 1)
+        chunk_w = (step * CPS + entry_w // (8 * RB)) * NW + warp
+        rb_w = rb0 + (entry_w // 8) % RB
+        at_w = w_ptr + (rb_w * nchunk + chunk_w).to(gl.int64) * 256 + lane_w * 8 + entry_w % 8
+        chunk_g = (step * CPS + entry_g // (4 * RB)) * NW + warp_g
+        rb_g = rb0 + (entry_g // 4) % RB
         if GROUPED:
             group = chunk_g
         else:
             group = 0 * chunk_g
-        grids = gl.load(grid_ptr + (rb * GROUPS + group).to(gl.int64) * 32 + (lane_g // 4) * 4 + entry_g % 4,
-                        mask=ok & (chunk_g < nchunk), other=0.0)
-        return words, grids
+        at_g = grid_ptr + (rb_g * GROUPS + group).to(gl.int64) * 32 + (lane_g // 4) * 4 + entry_g % 4
+        if EVEN:
+            return gl.load(at_w), gl.load(at_g)
+        return (gl.load(at_w, mask=ok & (chunk_w < nchunk) & (rb_w < nrb), other=0),
+                gl.load(at_g, mask=ok & (chunk_g < nchunk) & (rb_g < nrb), other=0.0))
 
     @gluon.jit
-    def _step_products(words, grids, x0, xa, xb, xa_ok, xb_ok, step, kx, nchunk, zero_f, s0, s1, c0, c1,
-                       a00, a01, a10, a11, b00, b01, b10, b11, L: gl.constexpr, LW: gl.constexpr, LG: gl.constexpr,
-                       NW: gl.constexpr, CPS: gl.constexpr, GROUPED: gl.constexpr, FP16: gl.constexpr,
-                       XGROUPS: gl.constexpr):
-        """A step's CPS chunks a warp into the accumulators of x rows 0-7 (a) and 8-15 (b), each chunk's float32
-        sums from fresh mma accumulators (a long chain of tensor-core adds would lose bits); x0: the step's first
-        chunk of x rows 0-7, loaded; returns the next step's."""
+    def _x_words(xa, chunk, ok, nchunk, EVEN: gl.constexpr):
+        """A chunk's x words of the lanes whose B columns are x rows (ok); EVEN: the others' left as they are (their
+        columns are never stored), else 0 (as past the last chunk, whose words are 0 too)."""
+        if EVEN:
+            return gl.load(xa + chunk * 64, mask=ok & (chunk < nchunk))
+        return gl.load(xa + chunk * 64, mask=ok & (chunk < nchunk), other=0)
+
+    @gluon.jit
+    def _step_products(words, grids, x0, xa, xb, xe, xa_ok, xb_ok, step, kx, ke, nchunk, s0, s1, c0, c1,
+                       a00, a01, a10, a11, b00, b01, b10, b11, L: gl.constexpr, L3: gl.constexpr, NW: gl.constexpr,
+                       CPS: gl.constexpr, RB: gl.constexpr, GROUPED: gl.constexpr, FP16: gl.constexpr,
+                       XGROUPS: gl.constexpr, ONE_ROW: gl.constexpr, EVEN: gl.constexpr):
+        """A step's CPS chunks a warp into the accumulators of x rows 0-7 (a) and 8-15 (b); x0: the step's first
+        chunk of x rows 0-7, loaded; returns the next step's. Σ x of a chunk is made once for all RB row blocks."""
         for j in gl.static_range(CPS):
-            chunk = (step * CPS + j) * NW + kx
-            x1 = gl.load(xa + (chunk + NW) * 64, mask=xa_ok & (chunk + NW < nchunk), other=0)
+            first = (step * CPS + j) * NW
+            chunk = first + kx
+            x1 = _x_words(xa, chunk + NW, xa_ok, nchunk, EVEN)
             if GROUPED:
-                s0, s1, c0, c1 = _grid_values(_take(grids, j, CPS, LG), L, FP16)
-            w = _take(words, j, CPS, LW)
-            d0, d1, d2, d3, e0, e1 = _chunk(w, x0, zero_f, zero_f, zero_f, zero_f, zero_f, zero_f, L, FP16)
-            a00, a01, a10, a11 = _scaled(a00, a01, a10, a11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1)
+                s0, s1, c0, c1 = _grid_values(_take(grids, j, CPS, _lanes(NW, 4 * RB)), L3, FP16)
+            w = _take(words, j, CPS, _lanes(NW, 8 * RB))
+            planes = _eighths(gl.reshape(w, [NW, 32, RB, 8]), L3)
+            if ONE_ROW:
+                if EVEN:
+                    row = gl.load(xe + first * 64)
+                else:                                          # past the last chunk: Σ 0, as its words are 0
+                    row = gl.load(xe + first * 64, mask=first + ke < nchunk, other=0)
+                e0 = _row_sum(row, L, FP16)
+                e1 = e0
+            else:
+                e0, e1 = _x_sums(x0, L, FP16)
+            a00, a01, a10, a11 = _chunk(planes, x0, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L, L3, FP16,
+                                        ONE_ROW)
             if XGROUPS > 1:
-                y = gl.load(xb + chunk * 64, mask=xb_ok & (chunk < nchunk), other=0)
-                d0, d1, d2, d3, e0, e1 = _chunk(w, y, zero_f, zero_f, zero_f, zero_f, zero_f, zero_f, L, FP16)
-                b00, b01, b10, b11 = _scaled(b00, b01, b10, b11, d0, d1, d2, d3, e0, e1, s0, s1, c0, c1)
+                y = _x_words(xb, chunk, xb_ok, nchunk, EVEN)
+                e0, e1 = _x_sums(y, L, FP16)
+                b00, b01, b10, b11 = _chunk(planes, y, e0, e1, s0, s1, c0, c1, b00, b01, b10, b11, L, L3, FP16,
+                                            False)
             x0 = x1
         return x0, a00, a01, a10, a11, b00, b01, b10, b11
 
     @gluon.jit
     def _int4_mma_gemv_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, M, N, K, GROUPS, GROUPED: gl.constexpr,
                               FP16: gl.constexpr, XGROUPS: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr,
-                              AHEAD: gl.constexpr, PDL: gl.constexpr):
-        """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, one 16-row block per program, its chunks dealt to the NW warps
-        (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8): the next step's words and
-        scales are in flight during a step's products (AHEAD: there is more than one step), and the first step's are
-        issued before the PDL wait — where one step covers the layer, a warp's whole share is read while the kernel
-        before finishes. x comes chunk by chunk, one ahead, loaded only by the lanes whose B column is one of x's
-        rows; each group of 8 x rows is one more mma per plane on the same A fragment; the warps' sums are added at
-        the end."""
+                              RB: gl.constexpr, AHEAD: gl.constexpr, ONE_ROW: gl.constexpr, EVEN: gl.constexpr,
+                              PDL: gl.constexpr):
+        """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, RB 16-row blocks per program, their chunks dealt to the NW warps
+        (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8; CPS·RB ≤ 8): the next step's
+        words and scales are in flight during a step's products (AHEAD: there is more than one step), and the first
+        step's are issued before the PDL wait — where one step covers the layer, a warp's whole share is read while
+        the kernel before finishes. x comes chunk by chunk, one ahead, loaded only by the lanes whose B column is one
+        of x's rows, and is shared by the RB row blocks (one B fragment, one Σ x per chunk); each group of 8 x rows
+        is one more mma per plane on the same A fragment; the warps' sums are added at the end. ONE_ROW (M = 1): Σ x
+        of a chunk in one mma (_ROW_SUM) instead of eight, no products for x row 1. EVEN: whole steps and row blocks
+        (no masks but the lanes' own)."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
-        LW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        LWS: gl.constexpr = gl.BlockedLayout([1, 1, 8 * CPS], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        LG: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        LGS: gl.constexpr = gl.BlockedLayout([1, 1, 4 * CPS], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        rb = gl.program_id(0)
+        L3: gl.constexpr = _lanes(NW, RB)
+        rb0 = gl.program_id(0) * RB
+        nrb = N // 16
         nchunk = K // 128
         steps = gl.cdiv(nchunk, CPS * NW)
         # per lane: its 8 plane words of each of its chunks, the 16 bytes of pack_grid's for rows g, g + 8 of each
         # chunk's group, and x's columns 32t … 32t + 31 (x rows g and g + 8 for xa and xb, as int32 pairs)
-        warp, lane_w, entry_w = _index3(NW, 8 * CPS, LWS)
-        warp_g, lane_g, entry_g = _index3(NW, 4 * CPS, LGS)
-        words, grids = _step_loads(w_ptr, grid_ptr, rb, 0, True, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
-                                   nchunk, GROUPS, NW, CPS, GROUPED)
-        kx, lane_x, xword = _index3(NW, 16, LX)
-        x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (lane_x % 4) * 16 + xword
+        warp, lane_w, entry_w = _index3(NW, 8 * RB * CPS, _lanes(NW, 8 * RB * CPS))
+        warp_g, lane_g, entry_g = _index3(NW, 4 * RB * CPS, _lanes(NW, 4 * RB * CPS))
+        words, grids = _step_loads(w_ptr, grid_ptr, rb0, 0, True, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
+                                   nchunk, nrb, GROUPS, NW, CPS, RB, GROUPED, EVEN)
+        x_int = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        kx, lane_x, xword = _index3(NW, 16, _lanes(NW, 16))
+        x_words = x_int + (lane_x % 4) * 16 + xword
         xa = x_words + gl.minimum(lane_x // 4, M - 1) * (K // 2)
         xb = x_words + gl.minimum(lane_x // 4 + 8, M - 1) * (K // 2)
         xa_ok = (lane_x // 4 < M) & (xword >= 0)              # B columns past x's rows: never stored
         xb_ok = (lane_x // 4 + 8 < M) & (xword >= 0)
-        zero_f = gl.zeros([NW, 32], gl.float32, L)
-        a00, a01, a10, a11 = zero_f, zero_f, zero_f, zero_f
-        b00, b01, b10, b11 = zero_f, zero_f, zero_f, zero_f
+        ke, lane_e, half_e = _index3(NW, 2, _lanes(NW, 2))     # _ROW_SUM's A: words 8g + t, 8g + t + 4 of x row 0
+        xe = x_int + ke * 64 + 8 * (lane_e // 4) + lane_e % 4 + 4 * half_e
+        a00 = gl.zeros([NW, 32, RB], gl.float32, L3)
+        a01, a10, a11, b00, b01, b10, b11 = a00, a00, a00, a00, a00, a00, a00
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        s0, s1, c0, c1 = _grid_values(_take(grids, 0, CPS, LG), L, FP16)
-        x0 = gl.load(xa + kx * 64, mask=xa_ok & (kx < nchunk), other=0)
+        s0, s1, c0, c1 = _grid_values(_take(grids, 0, CPS, _lanes(NW, 4 * RB)), L3, FP16)
+        x0 = _x_words(xa, kx, xa_ok, nchunk, EVEN)
         if AHEAD:
             for step in range(steps):
                 following, following_grids = _step_loads(
-                    w_ptr, grid_ptr, rb, step + 1, step + 1 < steps, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
-                    nchunk, GROUPS, NW, CPS, GROUPED)
+                    w_ptr, grid_ptr, rb0, step + 1, step + 1 < steps, warp, lane_w, entry_w, warp_g, lane_g, entry_g,
+                    nchunk, nrb, GROUPS, NW, CPS, RB, GROUPED, EVEN)
                 x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
-                    words, grids, x0, xa, xb, xa_ok, xb_ok, step, kx, nchunk, zero_f, s0, s1, c0, c1,
-                    a00, a01, a10, a11, b00, b01, b10, b11, L, LW, LG, NW, CPS, GROUPED, FP16, XGROUPS)
+                    words, grids, x0, xa, xb, xe, xa_ok, xb_ok, step, kx, ke, nchunk, s0, s1, c0, c1,
+                    a00, a01, a10, a11, b00, b01, b10, b11, L, L3, NW, CPS, RB, GROUPED, FP16, XGROUPS, ONE_ROW, EVEN)
                 words = following
                 grids = following_grids
         else:
             x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
-                words, grids, x0, xa, xb, xa_ok, xb_ok, 0, kx, nchunk, zero_f, s0, s1, c0, c1,
-                a00, a01, a10, a11, b00, b01, b10, b11, L, LW, LG, NW, CPS, GROUPED, FP16, XGROUPS)
-        _store_columns(out_ptr, a00, a01, a10, a11, rb, 0, M, N, L)
+                words, grids, x0, xa, xb, xe, xa_ok, xb_ok, 0, kx, ke, nchunk, s0, s1, c0, c1,
+                a00, a01, a10, a11, b00, b01, b10, b11, L, L3, NW, CPS, RB, GROUPED, FP16, XGROUPS, ONE_ROW, EVEN)
+        _store_columns(out_ptr, a00, rb0, 0, 0, M, N, L3)
+        _store_columns(out_ptr, a10, rb0, 1, 0, M, N, L3)
+        if not ONE_ROW:
+            _store_columns(out_ptr, a01, rb0, 0, 1, M, N, L3)
+            _store_columns(out_ptr, a11, rb0, 1, 1, M, N, L3)
         if XGROUPS > 1:
-            _store_columns(out_ptr, b00, b01, b10, b11, rb, 8, M, N, L)
+            _store_columns(out_ptr, b00, rb0, 0, 8, M, N, L3)
+            _store_columns(out_ptr, b10, rb0, 1, 8, M, N, L3)
+            _store_columns(out_ptr, b01, rb0, 0, 9, M, N, L3)
+            _store_columns(out_ptr, b11, rb0, 1, 9, M, N, L3)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, grid_ptr, out_ptr, K, GROUPS, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
@@ -380,34 +487,42 @@ def num_warps(n: int, device: torch.device) -> int:
     return 8 if few_row_blocks(n, device) else 4
 
 
-# (N, K) → (warps, chunks a warp per step) fastest at one decode row on an H200 for the Llama-3.1-8B shapes, timed
-# after a short kernel as in a decode step (gpu_suite.py --phases int4_mma; docs/performance.md, thirteenth session;
-# µs, the layout before → this one): o (4096, 4096) 4.9 → 3.5 (a warp's 4 chunks issued before the PDL wait), down
-# (4096, 14336) 12.6 → 12.1. Other shapes, and more than 8 rows: num_warps's warps, 2 chunks a step.
-MEASURED = {(4096, 4096): (8, 4), (4096, 14336): (16, 1)}
+# (N, K) → (warps, chunks a warp per step, row blocks a program) fastest at one decode row on an H200 for the
+# Llama-3.1-8B shapes, timed after a short kernel as in a decode step (gpu_suite.py --phases int4_mma;
+# docs/performance.md, fourteenth session; µs after the short kernel, the thirteenth session's kernel → this one):
+# qkv 4.8 → 4.2, o 3.5 → 3.1, gate_up 21.2 → 18.5 (two row blocks a program: one x and Σ x for both), down 12.1 →
+# 10.8, LM head (128256, 4096) 73.9 (CUDA-core GEMV 86.6). Other shapes, and more than 8 rows: num_warps's warps,
+# 2 chunks a step, one row block.
+MEASURED = {(6144, 4096): (4, 8, 1), (4096, 4096): (8, 4, 1), (28672, 4096): (2, 2, 2), (4096, 14336): (16, 1, 1),
+            (128256, 4096): (4, 2, 1)}
 
 
-def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """(warps, chunks a warp per step) of the product of `rows` rows with an (N, K) layer."""
+def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, int]:
+    """(warps, chunks a warp per step, row blocks a program) of the product of `rows` rows with an (N, K) layer."""
     if rows <= 8 and (n, k) in MEASURED:
         return MEASURED[n, k]
-    return num_warps(n, device), 2
+    return num_warps(n, device), 2, 1
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,
-         layout: tuple[int, int] | None = None) -> torch.Tensor:
+         layout: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack) and their scales and zero
-    points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step; 1, 2, 4 or 8), config's by
-    default (the GPU suite's int4_mma phase sweeps it)."""
+    points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step, row blocks a program; steps
+    and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the GPU suite's int4_mma phase
+    sweeps it)."""
     m, k = x.shape
     n = words.shape[0]
     groups = grid.shape[1]
-    warps, step = layout or config(n, k, m, x.device)
+    warps, step, blocks = layout or config(n, k, m, x.device)
+    if step * blocks > 8 or step not in (1, 2, 4, 8) or blocks not in (1, 2, 4, 8):
+        raise ValueError(f"int4_mma layout {(warps, step, blocks)}: chunks a step and row blocks must be 1, 2, 4 or 8, "
+                         "their product at most 8")
+    nrb, nchunk = n // ROW_BLOCK, k // CHUNK
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _int4_mma_gemv_kernel[(n // ROW_BLOCK,)](
+    _int4_mma_gemv_kernel[(triton.cdiv(nrb, blocks),)](
         x.contiguous(), words, grid, out, m, n, k, groups, GROUPED=groups > 1, FP16=x.dtype == torch.float16,
-        XGROUPS=triton.cdiv(m, 8), NW=warps, CPS=step, AHEAD=k // CHUNK > warps * step, num_warps=warps,
-        **(launch or {"PDL": False}))
+        XGROUPS=triton.cdiv(m, 8), NW=warps, CPS=step, RB=blocks, AHEAD=nchunk > warps * step, ONE_ROW=m == 1,
+        EVEN=nchunk % (warps * step) == 0 and nrb % blocks == 0, num_warps=warps, **(launch or {"PDL": False}))
     return out
 
 

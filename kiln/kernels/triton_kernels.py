@@ -748,15 +748,15 @@ GEMV_HALF_SCALES = True   # int4 group scales and zero points as fp16 pairs (4 b
 GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor cores' fragment layout and run faster on
                       # it (_prefers_mma): products of ≤ 16 rows on mma.sync (kernels/int4_mma.py), more rows
                       # dequantized for cuBLAS; wins over the pairs of GEMV_SILU and the fp16 scales of
-                      # GEMV_HALF_SCALES, which that kernel does not read. H200, one row (eighth session): o 6.1 ->
-                      # 5.2 µs, down 17.7 -> 12.2; qkv (6.9 vs 8.1) and gate_up (21.9 vs 22.9) stay CUDA-core
-                      # (thirteenth session, int4_mma in steps: qkv 4.8 vs 6.0 µs after a short kernel, yet 488.8 vs
-                      # 494.4 tok/s in the model; gate_up 21.9 vs 21.4)
+                      # GEMV_HALF_SCALES, which that kernel does not read. H200, one row after a short kernel
+                      # (fourteenth session's int4_mma): o 3.1 µs, down 10.8, gate_up 18.5 (CUDA-core 21.4), LM head
+                      # 73.9 (86.6); qkv stays CUDA-core: 4.2 vs 6.0 µs alone, yet no faster in the model (twice)
                       # "all": every int4 layer int4_mma takes
-# (N, K) → whether int4_mma's one-row product beat the CUDA-core GEMV (benchmarks/gpu_suite.py --phases int4_mma and
-# the decode GEMV's, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row blocks per SM,
-# as those two do (the CUDA-core GEMV lags with few, long rows)
-GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): False, (28672, 4096): False}
+# (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py --phases
+# int4_mma and decode batch 1, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row
+# blocks per SM, as o and down do (the CUDA-core GEMV lags with few, long rows)
+GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): False, (28672, 4096): True,
+                     (128256, 4096): True}
 GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
 
 
