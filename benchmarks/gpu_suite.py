@@ -304,7 +304,7 @@ def _gemv_sweep(bits: int, zero: bool):
     return best
 
 
-MMA_LAYOUTS = [(4, 2, 1), (8, 2, 1), (16, 1, 1), (8, 4, 1), (4, 8, 1), (4, 2, 2), (4, 4, 2), (2, 2, 4),
+MMA_LAYOUTS = [(4, 2, 1), (8, 2, 1), (16, 1, 1), (8, 4, 1), (4, 8, 1), (4, 2, 2), (2, 2, 2), (4, 4, 2), (2, 2, 4),
                (4, 1, 4)]                   # (warps, chunks a warp a step, row blocks a program)
 
 
