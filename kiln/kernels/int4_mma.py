@@ -216,29 +216,29 @@ if gluon is not None:
         return gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(2, L3)), 2)
 
     @gluon.jit
-    def _x_sums(xs, L: gl.constexpr, FP16: gl.constexpr):
-        """Σ of the chunk's columns of x for lane (g, t)'s B columns 2t, 2t + 1, from its x words (NW, 32, 16)."""
-        pairs = gl.reshape(xs, [xs.shape[0], 32, 8, 2])
-        xa, xb = gl.split(pairs)
-        xa = _eighths(xa, L)
-        xb = _eighths(xb, L)
-        e0 = gl.zeros([xs.shape[0], 32], gl.float32, L)
+    def _x_fragments(xs, L: gl.constexpr):
+        """A lane's x words of a chunk (NW, 32, 16) → the B fragments of the 8 planes: plane i takes words 2i
+        (xa[i]) and 2i + 1 (xb[i]), each (NW, 32) in L."""
+        xa, xb = gl.split(gl.reshape(xs, [xs.shape[0], 32, 8, 2]))
+        return _eighths(xa, L), _eighths(xb, L)
+
+    @gluon.jit
+    def _x_sums(xa, xb, L: gl.constexpr, FP16: gl.constexpr):
+        """Σ of the chunk's columns of x for lane (g, t)'s B columns 2t, 2t + 1, from the planes' B fragments."""
+        e0 = gl.zeros(xa[0].shape, gl.float32, L)
         e1, e2, e3 = e0, e0, e0
         for i in gl.static_range(8):
             e0, e1, e2, e3 = _plane_sums(xa[i], xb[i], e0, e1, e2, e3, FP16)
         return e0, e1
 
     @gluon.jit
-    def _chunk(planes, xs, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L: gl.constexpr, L3: gl.constexpr,
-               FP16: gl.constexpr, ONE_ROW: gl.constexpr):
-        """One chunk of the program's RB row blocks (8 planes, each (NW, 32, RB)) times 8 x rows (x words xs) into
+    def _chunk(planes, xa, xb, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L3: gl.constexpr, FP16: gl.constexpr,
+               ONE_ROW: gl.constexpr):
+        """One chunk of the program's RB row blocks (8 planes, each (NW, 32, RB)) times 8 x rows (their B fragments
+        xa, xb) into
         the accumulators, each chunk's float32 sums from fresh mma accumulators (a long chain of tensor-core adds
         would lose bits) with the group's scales and zero points applied: Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x)
         for the A operand's a = q - a₀. ONE_ROW: x row 1 (columns 2t + 1) is not computed."""
-        pairs = gl.reshape(xs, [xs.shape[0], 32, 8, 2])
-        xa, xb = gl.split(pairs)
-        xa = _eighths(xa, L)
-        xb = _eighths(xb, L)
         d0 = gl.zeros(planes[0].shape, gl.float32, L3)
         d1, d2, d3 = d0, d0, d0
         for i in gl.static_range(8):
@@ -361,6 +361,7 @@ if gluon is not None:
                 s0, s1, c0, c1 = _grid_values(_take(grids, j, CPS, _lanes(NW, 4 * RB)), L3, FP16)
             w = _take(words, j, CPS, _lanes(NW, 8 * RB))
             planes = _eighths(gl.reshape(w, [NW, 32, RB, 8]), L3)
+            fa, fb = _x_fragments(x0, L)
             if ONE_ROW:
                 if EVEN:
                     row = gl.load(xe + first * 64)
@@ -369,13 +370,13 @@ if gluon is not None:
                 e0 = _row_sum(row, L, FP16)
                 e1 = e0
             else:
-                e0, e1 = _x_sums(x0, L, FP16)
-            a00, a01, a10, a11 = _chunk(planes, x0, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L, L3, FP16,
+                e0, e1 = _x_sums(fa, fb, L, FP16)
+            a00, a01, a10, a11 = _chunk(planes, fa, fb, e0, e1, s0, s1, c0, c1, a00, a01, a10, a11, L3, FP16,
                                         ONE_ROW)
             if XGROUPS > 1:
-                y = _x_words(xb, chunk, xb_ok, nchunk, EVEN)
-                e0, e1 = _x_sums(y, L, FP16)
-                b00, b01, b10, b11 = _chunk(planes, y, e0, e1, s0, s1, c0, c1, b00, b01, b10, b11, L, L3, FP16,
+                fa, fb = _x_fragments(_x_words(xb, chunk, xb_ok, nchunk, EVEN), L)
+                e0, e1 = _x_sums(fa, fb, L, FP16)
+                b00, b01, b10, b11 = _chunk(planes, fa, fb, e0, e1, s0, s1, c0, c1, b00, b01, b10, b11, L3, FP16,
                                             False)
             x0 = x1
         return x0, a00, a01, a10, a11, b00, b01, b10, b11
@@ -393,7 +394,7 @@ if gluon is not None:
         of x's rows, and is shared by the RB row blocks (one B fragment, one Σ x per chunk); each group of 8 x rows
         is one more mma per plane on the same A fragment; the warps' sums are added at the end. ONE_ROW (M = 1): Σ x
         of a chunk in one mma (_ROW_SUM) instead of eight, no products for x row 1. EVEN: whole steps and row blocks
-        (no masks but the lanes' own)."""
+        (weights, scales and Σ x loaded without masks)."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
         L3: gl.constexpr = _lanes(NW, RB)
         rb0 = gl.program_id(0) * RB
