@@ -334,6 +334,39 @@ def test_gate_up_gemv_writes_silu(algo):
         assert rel_err(fused, ref) < 1e-2 and rel_err(unfused, ref) < 1e-2, rows
 
 
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16", None)])
+@pytest.mark.parametrize("n, k", [(28672, 4096), (96, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype, monkeypatch):
+    """A gate/up projection on int4_mma with its 16-row blocks paired (MMA_SILU): the product's SiLU(gate)·up equals
+    the unpaired product + silu_and_mul bit for bit (1-16 rows, the engine's and other layouts), and the float64
+    reference; more rows (cuBLAS, then silu_and_mul) too."""
+    from kiln.kernels import ReferenceOps, int4_mma
+    from kiln.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "GEMV_MMA", "all")
+    monkeypatch.setattr(tk, "MMA_SILU", True)
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
+    paired, plain = _gpu_layout(algo, params, gated=True), _gpu_layout(algo, params)
+    assert paired["layout"].paired_rows and paired["layout"].fragments and not plain["layout"].paired_rows
+    assert torch.equal(int4_mma.pair_blocks(int4_mma.pair_blocks(params["weight"]), inverse=True), params["weight"])
+    for rows in (1, 2, 8, 9, 16, 17, 40):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
+        unfused = tk.silu_and_mul(tk.quant_linear(x, algo, plain, None))
+        fused = tk.quant_linear_silu(x, algo, paired, None)
+        assert fused.shape == (rows, n // 2) and torch.equal(fused, unfused), rows
+        assert torch.equal(tk.quant_linear(x, algo, paired, None), tk.quant_linear(x, algo, plain, None)), rows
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(params, paired))
+        assert rel_err(fused, ref) < 1e-2, rows
+        if rows in (1, 9):
+            for layout in ((2, 2, 2), (4, 1, 4), (4, 1, 8), (8, 4, 2)):
+                out = int4_mma.gemv(x, paired["weight"], paired["weight_scale"], layout=layout, silu=True)
+                assert torch.equal(out, unfused), (rows, layout)
+    with pytest.raises(ValueError, match="pairs of row blocks"):
+        int4_mma.gemv(x[:1], paired["weight"], paired["weight_scale"], layout=(4, 2, 1), silu=True)
+
+
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 @pytest.mark.parametrize("producer, consumer", [("o", "qkv"), ("down", "gate_up")])
 @pytest.mark.usefixtures("gemv_fusions_on")

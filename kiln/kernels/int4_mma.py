@@ -253,15 +253,32 @@ if gluon is not None:
         return a00, a01, a10, a11
 
     @gluon.jit
-    def _store_columns(out_ptr, acc, rb0, half, col, M, N, L3: gl.constexpr):
+    def _store_columns(out_ptr, acc, rb0, half, col, M, N, L3: gl.constexpr, SILU: gl.constexpr):
         """The warps' sums (NW, 32, RB) of x rows col + 2t (lane (g, t)) for weight rows g + 8·half of the row blocks
-        rb0 … rb0 + RB - 1."""
-        S: gl.constexpr = gl.SliceLayout(0, L3)
+        rb0 … rb0 + RB - 1 of an (M, N) result. SILU: the row blocks alternate gate, up (a gate/up projection paired
+        by 16-row blocks) and each pair's SiLU(gate)·up goes to row block rb0/2 + pair of an (M, N/2) result,
+        rounded as silu_and_mul rounds it (gate and up in out's dtype, then SiLU, then the product)."""
+        NW: gl.constexpr = acc.shape[0]
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        if SILU:
+            LP: gl.constexpr = _lanes(NW, acc.shape[2] // 2)
+            gate, up = gl.split(gl.reshape(acc, [NW, 32, acc.shape[2] // 2, 2]))
+            gate = gl.sum(gl.convert_layout(gate, LP, assert_trivial=True), axis=0).to(dtype).to(gl.float32)
+            up = gl.sum(gl.convert_layout(up, LP, assert_trivial=True), axis=0).to(dtype)
+            value = (gate / (1.0 + gl.exp(-gate))).to(dtype) * up
+            S: gl.constexpr = gl.SliceLayout(0, LP)
+            rb = rb0 // 2
+            n = N // 2
+        else:
+            value = gl.sum(acc, axis=0).to(dtype)
+            S: gl.constexpr = gl.SliceLayout(0, L3)
+            rb = rb0
+            n = N
         lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
-        block = gl.expand_dims(gl.arange(0, acc.shape[2], layout=gl.SliceLayout(0, S)), 0)
-        row = (rb0 + block) * 16 + lane // 4 + 8 * half
+        block = gl.expand_dims(gl.arange(0, value.shape[1], layout=gl.SliceLayout(0, S)), 0)
+        row = (rb + block) * 16 + lane // 4 + 8 * half
         c = col + 2 * (lane % 4)
-        gl.store(out_ptr + c * N + row, gl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=(c < M) & (row < N))
+        gl.store(out_ptr + c * n + row, value, mask=(c < M) & (row < n))
 
     @gluon.jit
     def _grid_values(v, L3: gl.constexpr, FP16: gl.constexpr):
@@ -385,7 +402,7 @@ if gluon is not None:
     def _int4_mma_gemv_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, M, N, K, GROUPS, GROUPED: gl.constexpr,
                               FP16: gl.constexpr, XGROUPS: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr,
                               RB: gl.constexpr, AHEAD: gl.constexpr, ONE_ROW: gl.constexpr, EVEN: gl.constexpr,
-                              PDL: gl.constexpr):
+                              SILU: gl.constexpr, PDL: gl.constexpr):
         """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, RB 16-row blocks per program, their chunks dealt to the NW warps
         (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8; CPS·RB ≤ 8): the next step's
         words and scales are in flight during a step's products (AHEAD: there is more than one step), and the first
@@ -394,7 +411,7 @@ if gluon is not None:
         of x's rows, and is shared by the RB row blocks (one B fragment, one Σ x per chunk); each group of 8 x rows
         is one more mma per plane on the same A fragment; the warps' sums are added at the end. ONE_ROW (M = 1): Σ x
         of a chunk in one mma (_ROW_SUM) instead of eight, no products for x row 1. EVEN: whole steps and row blocks
-        (weights, scales and Σ x loaded without masks)."""
+        (weights, scales and Σ x loaded without masks). SILU: row blocks in gate/up pairs, SiLU(gate)·up stored."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
         L3: gl.constexpr = _lanes(NW, RB)
         rb0 = gl.program_id(0) * RB
@@ -438,16 +455,16 @@ if gluon is not None:
             x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
                 words, grids, x0, xa, xb, xe, xa_ok, xb_ok, 0, kx, ke, nchunk, s0, s1, c0, c1,
                 a00, a01, a10, a11, b00, b01, b10, b11, L, L3, NW, CPS, RB, GROUPED, FP16, XGROUPS, ONE_ROW, EVEN)
-        _store_columns(out_ptr, a00, rb0, 0, 0, M, N, L3)
-        _store_columns(out_ptr, a10, rb0, 1, 0, M, N, L3)
+        _store_columns(out_ptr, a00, rb0, 0, 0, M, N, L3, SILU)
+        _store_columns(out_ptr, a10, rb0, 1, 0, M, N, L3, SILU)
         if not ONE_ROW:
-            _store_columns(out_ptr, a01, rb0, 0, 1, M, N, L3)
-            _store_columns(out_ptr, a11, rb0, 1, 1, M, N, L3)
+            _store_columns(out_ptr, a01, rb0, 0, 1, M, N, L3, SILU)
+            _store_columns(out_ptr, a11, rb0, 1, 1, M, N, L3, SILU)
         if XGROUPS > 1:
-            _store_columns(out_ptr, b00, rb0, 0, 8, M, N, L3)
-            _store_columns(out_ptr, b10, rb0, 1, 8, M, N, L3)
-            _store_columns(out_ptr, b01, rb0, 0, 9, M, N, L3)
-            _store_columns(out_ptr, b11, rb0, 1, 9, M, N, L3)
+            _store_columns(out_ptr, b00, rb0, 0, 8, M, N, L3, SILU)
+            _store_columns(out_ptr, b10, rb0, 1, 8, M, N, L3, SILU)
+            _store_columns(out_ptr, b01, rb0, 0, 9, M, N, L3, SILU)
+            _store_columns(out_ptr, b11, rb0, 1, 9, M, N, L3, SILU)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, grid_ptr, out_ptr, K, GROUPS, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
@@ -506,25 +523,40 @@ def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, i
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,
-         layout: tuple[int, int, int] | None = None) -> torch.Tensor:
+         layout: tuple[int, int, int] | None = None, silu: bool = False) -> torch.Tensor:
     """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack) and their scales and zero
     points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step, row blocks a program; steps
     and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the GPU suite's int4_mma phase
-    sweeps it)."""
+    sweeps it). silu: the row blocks alternate gate, up (pair_blocks) and the result is SiLU(gate)·up, (rows, N/2);
+    a program then takes at least two row blocks (a pair)."""
     m, k = x.shape
     n = words.shape[0]
     groups = grid.shape[1]
     warps, step, blocks = layout or config(n, k, m, x.device)
+    if silu and blocks == 1 and layout is None:
+        step, blocks = min(step, 4), 2
     if step * blocks > 8 or step not in (1, 2, 4, 8) or blocks not in (1, 2, 4, 8):
         raise ValueError(f"int4_mma layout {(warps, step, blocks)}: chunks a step and row blocks must be 1, 2, 4 or 8, "
                          "their product at most 8")
+    if silu and (blocks == 1 or n % (2 * ROW_BLOCK)):
+        raise ValueError(f"int4_mma SiLU(gate)·up of {n} paired rows needs whole pairs of row blocks and at least two "
+                         f"a program, not {blocks}")
     nrb, nchunk = n // ROW_BLOCK, k // CHUNK
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     _int4_mma_gemv_kernel[(triton.cdiv(nrb, blocks),)](
         x.contiguous(), words, grid, out, m, n, k, groups, GROUPED=groups > 1, FP16=x.dtype == torch.float16,
         XGROUPS=triton.cdiv(m, 8), NW=warps, CPS=step, RB=blocks, AHEAD=nchunk > warps * step, ONE_ROW=m == 1,
-        EVEN=nchunk % (warps * step) == 0 and nrb % blocks == 0, num_warps=warps, **(launch or {"PDL": False}))
+        EVEN=nchunk % (warps * step) == 0 and nrb % blocks == 0, SILU=silu, num_warps=warps,
+        **(launch or {"PDL": False}))
     return out
+
+
+def pair_blocks(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """A gate/up projection's rows [gate | up] (any trailing shape) → their 16-row blocks alternating gate block i,
+    up block i, which gemv(silu=True) reads in pairs; `inverse` undoes it."""
+    n = t.shape[0]
+    blocks = (n // (2 * ROW_BLOCK), 2) if inverse else (2, n // (2 * ROW_BLOCK))
+    return t.reshape(*blocks, ROW_BLOCK, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
 
 
 def dequantize(words: torch.Tensor, grid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -532,12 +532,12 @@ def _decode_attention_kernel(
         first = tl.maximum(first, (tl.maximum(low + 1, 0) // TILE) * TILE)
     owner = (new_pos >= part_first) & (new_pos < part_end)
     stop = tl.minimum(part_end, new_pos)                              # cached keys: those before the new one
+    pos = tl.load(pos_ptr + seq).to(tl.int64)                         # step inputs: no kernel of the step writes
+    cos = tl.load(cos_sin_ptr + pos * DIM + d % HALF)                 # them, so they are read before the PDL wait
+    sin = tl.load(cos_sin_ptr + pos * DIM + HALF + d % HALF)
     if PRELOAD:
         k, v = _kv_tile(cache_ptr, cache_half, table, first, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
     _wait_for_inputs(PDL)
-    pos = tl.load(pos_ptr + seq).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * DIM + d % HALF)
-    sin = tl.load(cos_sin_ptr + pos * DIM + HALF + d % HALF)
     row = qkv_ptr + seq.to(tl.int64) * (heads + 2 * KV_HEADS) * DIM
     q = _rotated(row + (kv_head * GROUP + r)[:, None] * DIM, d, cos, sin, row_ok[:, None], HALF, DIM)
     q = q.to(qkv_ptr.dtype.element_ty)
@@ -757,7 +757,9 @@ GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor core
 # blocks per SM, as o and down do (the CUDA-core GEMV lags with few, long rows)
 GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): False, (28672, 4096): True,
                      (128256, 4096): True}
-GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA")
+MMA_SILU = True       # gate/up projections on int4_mma pair their 16-row blocks at load (int4_mma.pair_blocks), so
+                      # that a program of a gate block and its up block writes SiLU(gate)·up (no silu_and_mul kernel)
+GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA", "MMA_SILU")
 
 
 @dataclass(frozen=True)
@@ -766,7 +768,8 @@ class Interleaved:
     blocks (interleave_weight); paired_rows: a gate/up projection's gate and up rows alternate (pair_gate_up_rows),
     so that each GEMV program holds matching pairs and writes SiLU(gate)·up; half_scales: an int4 layer's group
     scales and zero points as fp16 pairs, one int32 per group in `weight_scale` (no `weight_zero`); fragments: an
-    int4 layer in int4_mma's layout (every other field False)."""
+    int4 layer in int4_mma's layout (half_scales False; paired_rows: its 16-row blocks alternate, int4_mma.pair_blocks,
+    read by int4_mma.gemv(silu=True))."""
     paired_rows: bool = False
     half_scales: bool = False
     fragments: bool = False
@@ -821,8 +824,13 @@ def pack_quant(algo: str, params: dict, gated: bool = False) -> tuple[Interleave
     weight = params["weight"]
     grid = {name: params[name] for name in ("weight_scale", "weight_zero") if name in params}
     if bits == 4 and _takes_fragments(params):
-        return Interleaved(fragments=True), {"weight": int4_mma.pack(weight), "weight_scale": int4_mma.pack_grid(
-            params["weight_scale"], params.get("weight_zero")), "weight_zero": None}
+        paired = gated and MMA_SILU and weight.shape[0] % (2 * int4_mma.ROW_BLOCK) == 0
+        if paired:
+            weight = int4_mma.pair_blocks(weight)
+            grid = {name: t if t is None else int4_mma.pair_blocks(t) for name, t in grid.items()}
+        return Interleaved(paired_rows=paired, fragments=True), {
+            "weight": int4_mma.pack(weight), "weight_zero": None,
+            "weight_scale": int4_mma.pack_grid(grid["weight_scale"], grid.get("weight_zero"))}
     if (weight.shape[1] * 8 // bits) % _block_columns(bits):
         return None                        # the tiled kernel reads the engine layout
     tensors = {"weight": interleave_weight(weight, bits), **grid}
@@ -1208,7 +1216,7 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     if _weight_only(algo):
         out = _weight_only_product(x, algo, params)
         if _paired(params):                              # back to [gate | up]
-            out = out.reshape(out.shape[0], -1, 2).transpose(1, 2).reshape(out.shape)
+            out = _unpaired(out, params)
     elif algo.startswith("FP8"):
         if isinstance(x, Fp8Rows):
             qx, sx, dtype = x.values, x.scale, x.dtype
@@ -1224,6 +1232,12 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     else:
         return quant.quant_linear(x, algo, params, bias)
     return out if bias is None else out + bias
+
+
+def _unpaired(out: torch.Tensor, params: dict) -> torch.Tensor:
+    """A product's columns in the order of a paired layer's stored rows → [gate | up]."""
+    run = int4_mma.ROW_BLOCK if _fragments(params) else 1
+    return out.reshape(out.shape[0], -1, 2, run).transpose(1, 2).reshape(out.shape)
 
 
 def _weight_only_product(x: torch.Tensor, algo: str, params: dict) -> torch.Tensor:
@@ -1250,16 +1264,19 @@ FRAGMENT_SLICES = 2   # products of up to this many 16-row slices of x on int4_m
                       # vs 74.4 + ~32; eighth session's int4_mma phase); at four they no longer do on o
 
 
-def _fragment_product(x: torch.Tensor, params: dict) -> torch.Tensor:
+def _fragment_product(x: torch.Tensor, params: dict, silu: bool = False) -> torch.Tensor:
     """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ FRAGMENT_SLICES slices of 16 rows of
-    bf16/fp16, otherwise the weight dequantized to x's dtype for cuBLAS."""
+    bf16/fp16, otherwise the weight dequantized to x's dtype for cuBLAS. silu (paired blocks): SiLU(gate)·up, by
+    int4_mma itself where it multiplies."""
     weight, grid = params["weight"], params["weight_scale"]                   # int4_mma.pack_grid's
     rows = x.shape[0]
     if rows <= FRAGMENT_SLICES * int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         if rows <= int4_mma.MAX_ROWS:
-            return int4_mma.gemv(x, weight, grid, _launch())
-        return torch.cat([int4_mma.gemv(part, weight, grid, _launch()) for part in x.split(int4_mma.MAX_ROWS)])
-    return x @ int4_mma.dequantize(weight, grid, x.dtype).t()
+            return int4_mma.gemv(x, weight, grid, _launch(), silu=silu)
+        return torch.cat([int4_mma.gemv(part, weight, grid, _launch(), silu=silu)
+                          for part in x.split(int4_mma.MAX_ROWS)])
+    out = x @ int4_mma.dequantize(weight, grid, x.dtype).t()
+    return silu_and_mul(_unpaired(out, params)) if silu else out
 
 
 def _layer_gemv(x, algo: str, params: dict, **options):
@@ -1271,9 +1288,12 @@ def _layer_gemv(x, algo: str, params: dict, **options):
 def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
                       fp8_fast_accumulation: bool = True) -> torch.Tensor:
     """SiLU(gate)·up of a quantized gate/up projection: on paired rows (Interleaved.paired_rows) by the decode GEMV
-    itself (≤ 4 rows) or by silu_and_mul reading the pairs; otherwise quant_linear, then silu_and_mul."""
+    itself (≤ 4 rows; int4_mma: ≤ 32) or by silu_and_mul reading the pairs; otherwise quant_linear, then
+    silu_and_mul."""
     if not _paired(params):
         return silu_and_mul(quant_linear(x, algo, params, bias, fp8_fast_accumulation))
+    if _fragments(params):
+        return _fragment_product(_applied(x), params, silu=True)
     if _gemv_takes(x, algo, params):
         return _layer_gemv(x, algo, params, silu=True)
     return silu_and_mul(_weight_only_product(_applied(x), algo, params), paired=True)
