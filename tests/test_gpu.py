@@ -359,12 +359,113 @@ def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype, monkeypatch):
         assert torch.equal(tk.quant_linear(x, algo, paired, None), tk.quant_linear(x, algo, plain, None)), rows
         ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(params, paired))
         assert rel_err(fused, ref) < 1e-2, rows
-        if rows in (1, 9):
+        if rows in (1, 9):          # other layouts: against the unpaired product in the same layout (the same sums)
             for layout in ((2, 2, 2), (4, 1, 4), (4, 1, 8), (8, 4, 2)):
                 out = int4_mma.gemv(x, paired["weight"], paired["weight_scale"], layout=layout, silu=True)
-                assert torch.equal(out, unfused), (rows, layout)
+                alike = int4_mma.gemv(x, plain["weight"], plain["weight_scale"], layout=layout)
+                assert torch.equal(out, tk.silu_and_mul(alike)), (rows, layout)
     with pytest.raises(ValueError, match="pairs of row blocks"):
         int4_mma.gemv(x[:1], paired["weight"], paired["weight_scale"], layout=(4, 2, 1), silu=True)
+
+
+@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", None)])
+@pytest.mark.parametrize("made_shape, read_shape, gated", [((4096, 4096), (28672, 4096), True),
+                                                           ((4096, 14336), (6144, 4096), False),
+                                                           ((4096, 14336), (128256, 4096), False),
+                                                           ((384, 640), (96, 384), True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, gated, dtype, monkeypatch):
+    """int4_mma at one row with the RMSNorm between two products folded in (MMA_NORMS): o/down adding the residual
+    (equal to the unfused product + add_rms_norm's sum, bit for bit), storing the sum times the norm's weight (equal
+    to that product rounded) and per-program sums of squares; qkv / gate_up (SiLU, paired blocks) / LM head scaling
+    their products by 1/rms against the unfused product of add_rms_norm's output and the float64 reference. The
+    engine's layouts and others; a residual of a shape int4_mma cannot fold gets a clear error."""
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, int4_mma, quant
+    from kiln.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "GEMV_MMA", "all")
+    monkeypatch.setattr(tk, "MMA_NORMS", True)
+    hidden = made_shape[0]
+    read_shape = (read_shape[0], hidden)
+    g = torch.Generator(device="cuda").manual_seed(sum(made_shape + read_shape))
+    made, read = (_quantized(algo, torch.randn(shape, generator=g, device=CUDA) * 0.05, group=group)
+                  for shape in (made_shape, read_shape))
+    made_gpu, read_gpu = _gpu_layout(algo, made), _gpu_layout(algo, read, gated)
+    assert made_gpu["layout"].fragments and read_gpu["layout"].fragments
+    norm_w = (torch.rand(hidden, generator=g, device=CUDA) + 0.5).to(dtype)
+    product = tk.quant_linear_silu if gated else tk.quant_linear
+    for trial in range(2):
+        x = (torch.rand((1, made_shape[1]), generator=g, device=CUDA) * 2 - 0.5).to(dtype)
+        residual = torch.randn((1, hidden), generator=g, device=CUDA).to(dtype)
+        summed = tk.quant_linear_before_norm(x, algo, made_gpu, None, residual.clone(), norm_w)
+        assert isinstance(summed, ResidualSum) and summed.weighted is not None
+        normed, unfused_residual = tk.add_rms_norm(tk.quant_linear(x, algo, made_gpu, None), residual.clone(), norm_w,
+                                                   1e-5)
+        assert torch.equal(summed.residual, unfused_residual), trial
+        assert torch.equal(summed.weighted, norm_w * unfused_residual), trial
+        assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-5)
+        for layout in ((16, 1, 1), (8, 4, 1), (4, 2, 2)) if trial == 0 else ():   # against the same layout's product
+            added = residual.clone()
+            weighted, sums = int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout,
+                                           residual=added, norm_weight=norm_w)
+            alike = residual + int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout)
+            assert torch.equal(added, alike) and torch.equal(weighted, norm_w * alike), layout
+            assert torch.allclose(sums.double().sum(), alike.double().pow(2).sum(), rtol=1e-5), layout
+        deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
+        fused, unfused = product(deferred, algo, read_gpu, None), product(normed, algo, read_gpu, None)
+        ref_x = reference.rms_norm(summed.residual.double(), norm_w.double(), 1e-5)
+        ref = (ReferenceOps.quant_linear_silu if gated else quant.quant_linear)(ref_x, algo, _stood_for(read, read_gpu),
+                                                                               None)
+        # x rounded once (weight · sum) instead of twice (sum · 1/rms, then · weight): apart by about as much as
+        # either is from the float64 product (48 SiLU outputs of the small shape: 4.9e-3 against 3.6e-3 unfused)
+        errors = rel_err(fused, ref), rel_err(unfused, ref), rel_err(fused, unfused)
+        assert errors[0] < 1e-2 and errors[0] < 2 * errors[1] and errors[2] < 1e-2, (trial, errors)
+        if trial == 0:
+            for layout in ((2, 2, 2), (4, 1, 4), (8, 4, 2)) if gated else ((4, 8, 1), (2, 2, 2), (4, 1, 4)):
+                out = int4_mma.gemv(summed.weighted, read_gpu["weight"], read_gpu["weight_scale"], layout=layout,
+                                    silu=gated, rms_of=(summed.sum_squares, 1e-5))
+                assert rel_err(out, ref) < 2 * errors[1] and rel_err(out, fused) < 1e-2, layout
+    with pytest.raises(ValueError, match="one x row"):
+        int4_mma.gemv(x.expand(2, -1).contiguous(), made_gpu["weight"], made_gpu["weight_scale"],
+                      residual=residual.expand(2, -1).contiguous(), norm_weight=norm_w)
+    with pytest.raises(ValueError, match="residual must be"):
+        int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], residual=residual[:, :-16].contiguous(),
+                      norm_weight=norm_w)
+
+
+def test_int4_mma_model_folds_its_norms(monkeypatch):
+    """A bf16 W4A16_AWQ model whose every layer int4_mma takes: CUDA-graph decode steps with the RMSNorms folded
+    into the products (MMA_NORMS) give the greedy tokens of the same engine without the fold, and the fold ran."""
+    import dataclasses
+    from kiln.benchmark import shape_config
+    from kiln.config import QuantConfig
+    from kiln.kernels import int4_mma
+    from kiln.kernels import triton_kernels as tk
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+
+    monkeypatch.setattr(tk, "GEMV_MMA", "all")
+    folded = []
+    gemv = int4_mma.gemv
+    monkeypatch.setattr(int4_mma, "gemv", lambda *a, **kw: folded.append(kw.get("residual") is not None
+                                                                         or kw.get("rms_of") is not None) or gemv(*a, **kw))
+    config = dataclasses.replace(shape_config("smollm2-135m", "bfloat16"), hidden_size=256, intermediate_size=512,
+                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = LlamaForCausalLM.random(config, seed=6, std=0.05)
+    model = quantize_model(model, QuantConfig(quant_algo="W4A16_AWQ"), calib_size=2, quiet=True, round_to_nearest=True)
+    build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
+    prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
+    outputs = {}
+    for fold in (False, True):
+        monkeypatch.setattr(tk, "MMA_NORMS", fold)
+        folded.clear()
+        with LLM(model, build_config=build, device=CUDA, quiet=True) as llm:
+            assert llm.core.runner.graphs is not None
+            outputs[fold] = [llm.generate(p, SamplingConfig(max_new_tokens=16, end_id=-1, logprobs=2))
+                             for p in prompts]                            # one at a time: batch-1 steps
+        assert any(folded) == fold
+    for plain, fused in zip(outputs[False], outputs[True]):
+        _same_greedy_tokens_up_to_ties(plain.outputs[0], fused.outputs[0], tie=3e-2)
 
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])

@@ -271,7 +271,8 @@ def test_fragment_products_in_row_slices(rows, slices, monkeypatch):
     w = torch.randn(32, 64, generator=g).bfloat16()
     seen = []
 
-    def gemv(x, words, grid, launch=None):
+    def gemv(x, words, grid, launch=None, silu=False):
+        assert not silu
         seen.append(x.shape[0])
         return x @ w.t()
 
@@ -281,3 +282,40 @@ def test_fragment_products_in_row_slices(rows, slices, monkeypatch):
     x = torch.randn(rows, 64, generator=g).bfloat16()
     out = tk._fragment_product(x, {"weight": None, "weight_scale": None})
     assert seen == slices and torch.equal(out, x @ w.t())
+
+
+def test_folded_norms_route_to_int4_mma(monkeypatch):
+    """MMA_NORMS routing on int4_mma's layout (the kernel stood in for): one row before a deferred RMSNorm goes to the
+    residual-adding product and comes back a ResidualSum with the weighted sum; a DeferredNorm carrying it goes to the
+    1/rms-scaled product (SiLU too); more rows, no weighted sum, or the switch off apply the norm first."""
+    pytest.importorskip("triton")
+    from kiln.kernels import DeferredNorm, ResidualSum, int4_mma
+    from kiln.kernels import triton_kernels as tk
+
+    calls = []
+
+    def gemv(x, words, grid, launch=None, silu=False, **fold):
+        calls.append((x.shape[0], silu, sorted(fold)))
+        if "residual" in fold:
+            return x[:, :8] * 2, torch.ones(1, 3)
+        return x[:, :4] if silu else x[:, :8]
+
+    monkeypatch.setattr(int4_mma, "gemv", gemv)
+    monkeypatch.setattr(tk, "_launch", lambda: {})
+    monkeypatch.setattr(tk, "rms_norm", lambda x, w, eps: x * w)
+    params = {"weight": None, "weight_scale": None, "layout": tk.Interleaved(fragments=True)}
+    x, residual, norm_w = torch.randn(1, 16).bfloat16(), torch.randn(1, 8).bfloat16(), torch.ones(8).bfloat16()
+    summed = tk.quant_linear_before_norm(x, "W4A16", params, None, residual, norm_w)
+    assert isinstance(summed, ResidualSum) and summed.weighted is not None and calls[-1][2] == ["norm_weight",
+                                                                                                 "residual"]
+    assert not isinstance(tk.quant_linear_before_norm(x.expand(2, -1), "W4A16", params, None, residual, norm_w),
+                          ResidualSum)
+    monkeypatch.setattr(tk, "MMA_NORMS", False)
+    assert not isinstance(tk.quant_linear_before_norm(x, "W4A16", params, None, residual, norm_w), ResidualSum)
+    assert calls[-1][2] == []
+    deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
+    for product, silu in ((tk.quant_linear, False), (tk.quant_linear_silu, True)):
+        product(deferred, "W4A16", {**params, "layout": tk.Interleaved(paired_rows=silu, fragments=True)}, None)
+        assert calls[-1] == (1, silu, ["rms_of"])
+    tk.quant_linear(DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5), "W4A16", params, None)
+    assert calls[-1] == (1, False, [])

@@ -35,10 +35,10 @@ class ReferenceOps:
         return cls.silu_and_mul(cls.quant_linear(x, algo, params, bias))
 
     @classmethod
-    def quant_linear_before_norm(cls, x, algo: str, params: dict, bias, residual):
-        """A quantized layer whose output is added to `residual` and RMS-normalized next: the product, or where a
-        kernel folds the add in, a folded.ResidualSum (TritonOps' decode GEMV). The reference returns the product
-        (the RMSNorm adds)."""
+    def quant_linear_before_norm(cls, x, algo: str, params: dict, bias, residual, norm_weight=None):
+        """A quantized layer whose output is added to `residual` and RMS-normalized next (with `norm_weight`, where
+        that norm is deferred to the layer after): the product, or where a kernel folds the add in, a
+        folded.ResidualSum (TritonOps' decode GEMV). The reference returns the product (the RMSNorm adds)."""
         return cls.quant_linear(x, algo, params, bias)
 
     # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
@@ -123,8 +123,9 @@ class TritonOps(ReferenceOps):
     def quant_linear_silu(self, x, algo, params, bias=None):
         return self._k.quant_linear_silu(x, algo, params, bias, self.fp8_fast_accumulation)
 
-    def quant_linear_before_norm(self, x, algo, params, bias, residual):
-        return self._k.quant_linear_before_norm(x, algo, params, bias, residual, self.fp8_fast_accumulation)
+    def quant_linear_before_norm(self, x, algo, params, bias, residual, norm_weight=None):
+        return self._k.quant_linear_before_norm(x, algo, params, bias, residual, norm_weight,
+                                                self.fp8_fast_accumulation)
 
     def pack_quant(self, algo: str, params: dict, gated: bool = False):
         return self._k.pack_quant(algo, params, gated)

@@ -1,6 +1,7 @@
 """Decode activations whose residual add or RMSNorm a weight-only GEMV folded into itself (one rank, ≤ 4 rows):
 o_proj and down_proj add their output to the residual stream and sum its squares; RMSNorm then defers to the next
-GEMV (qkv_proj, gate_up_proj), which normalizes x as it loads it. Only the kernels make or read them
+GEMV (qkv_proj, gate_up_proj), which normalizes x as it loads it (CUDA-core GEMV) or, given the sum already times
+the norm's weight (int4_mma), multiplies its products by 1/rms. Only the kernels make or read them
 (TritonOps.quant_linear_before_norm); the reference never folds."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class ResidualSum:
 
     residual: torch.Tensor       # (T, hidden): the new residual stream
     sum_squares: torch.Tensor    # (T, programs) float32
+    weighted: torch.Tensor | None = None   # residual times the next RMSNorm's weight (int4_mma), where it was given
 
 
 @dataclass
@@ -27,6 +29,8 @@ class DeferredNorm:
     sum_squares: torch.Tensor
     weight: torch.Tensor
     eps: float
+    weighted: torch.Tensor | None = None   # weight · residual, made by the GEMV before: a GEMV that reads it
+                                           # scales its products by 1/rms instead of normalizing x (int4_mma)
 
     @property
     def shape(self) -> torch.Size:

@@ -253,24 +253,25 @@ if gluon is not None:
         return a00, a01, a10, a11
 
     @gluon.jit
-    def _store_columns(out_ptr, acc, rb0, half, col, M, N, L3: gl.constexpr, SILU: gl.constexpr):
+    def _store_columns(out_ptr, acc, rb0, half, col, M, N, inv, L3: gl.constexpr, SILU: gl.constexpr):
         """The warps' sums (NW, 32, RB) of x rows col + 2t (lane (g, t)) for weight rows g + 8·half of the row blocks
-        rb0 … rb0 + RB - 1 of an (M, N) result. SILU: the row blocks alternate gate, up (a gate/up projection paired
-        by 16-row blocks) and each pair's SiLU(gate)·up goes to row block rb0/2 + pair of an (M, N/2) result,
-        rounded as silu_and_mul rounds it (gate and up in out's dtype, then SiLU, then the product)."""
+        rb0 … rb0 + RB - 1 of an (M, N) result, times inv (x's 1/rms where its RMSNorm was deferred, else 1). SILU:
+        the row blocks alternate gate, up (a gate/up projection paired by 16-row blocks) and each pair's
+        SiLU(gate)·up goes to row block rb0/2 + pair of an (M, N/2) result, rounded as silu_and_mul rounds it (gate
+        and up in out's dtype, then SiLU, then the product)."""
         NW: gl.constexpr = acc.shape[0]
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         if SILU:
             LP: gl.constexpr = _lanes(NW, acc.shape[2] // 2)
             gate, up = gl.split(gl.reshape(acc, [NW, 32, acc.shape[2] // 2, 2]))
-            gate = gl.sum(gl.convert_layout(gate, LP, assert_trivial=True), axis=0).to(dtype).to(gl.float32)
-            up = gl.sum(gl.convert_layout(up, LP, assert_trivial=True), axis=0).to(dtype)
+            gate = (gl.sum(gl.convert_layout(gate, LP, assert_trivial=True), axis=0) * inv).to(dtype).to(gl.float32)
+            up = (gl.sum(gl.convert_layout(up, LP, assert_trivial=True), axis=0) * inv).to(dtype)
             value = (gate / (1.0 + gl.exp(-gate))).to(dtype) * up
             S: gl.constexpr = gl.SliceLayout(0, LP)
             rb = rb0 // 2
             n = N // 2
         else:
-            value = gl.sum(acc, axis=0).to(dtype)
+            value = (gl.sum(acc, axis=0) * inv).to(dtype)
             S: gl.constexpr = gl.SliceLayout(0, L3)
             rb = rb0
             n = N
@@ -279,6 +280,24 @@ if gluon is not None:
         row = (rb + block) * 16 + lane // 4 + 8 * half
         c = col + 2 * (lane % 4)
         gl.store(out_ptr + c * n + row, value, mask=(c < M) & (row < n))
+
+    @gluon.jit
+    def _store_residual_sum(out_ptr, res_ptr, norm_w_ptr, acc, rb0, half, N, L3: gl.constexpr):
+        """One x row's sums (NW, 32, RB) for weight rows g + 8·half of row blocks rb0 … added to the residual stream
+        in place (rounded as add_rms_norm's sum), and that sum times the next RMSNorm's weight into out: its input
+        but for 1/rms, which the GEMV after applies to its products. Returns Σ of the sum's squares here."""
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        value = gl.sum(acc, axis=0).to(dtype)
+        S: gl.constexpr = gl.SliceLayout(0, L3)
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
+        block = gl.expand_dims(gl.arange(0, value.shape[1], layout=gl.SliceLayout(0, S)), 0)
+        row = (rb0 + block) * 16 + lane // 4 + 8 * half
+        ok = (lane % 4 == 0) & (row < N)                   # lanes (g, 0) hold x row 0
+        total = value + gl.load(res_ptr + row, mask=ok, other=0.0)
+        gl.store(res_ptr + row, total, mask=ok)
+        gl.store(out_ptr + row, gl.load(norm_w_ptr + row, mask=ok, other=0.0) * total, mask=ok)
+        squares = total.to(gl.float32)
+        return gl.sum(gl.sum(gl.where(ok, squares * squares, 0.0), axis=1), axis=0)
 
     @gluon.jit
     def _grid_values(v, L3: gl.constexpr, FP16: gl.constexpr):
@@ -399,10 +418,12 @@ if gluon is not None:
         return x0, a00, a01, a10, a11, b00, b01, b10, b11
 
     @gluon.jit
-    def _int4_mma_gemv_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, M, N, K, GROUPS, GROUPED: gl.constexpr,
-                              FP16: gl.constexpr, XGROUPS: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr,
-                              RB: gl.constexpr, AHEAD: gl.constexpr, ONE_ROW: gl.constexpr, EVEN: gl.constexpr,
-                              SILU: gl.constexpr, PDL: gl.constexpr):
+    def _int4_mma_gemv_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, res_ptr, norm_w_ptr, sums_out_ptr, sums_in_ptr, M, N,
+                              K, GROUPS, SUMS_IN, eps, GROUPED: gl.constexpr, FP16: gl.constexpr,
+                              XGROUPS: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, RB: gl.constexpr,
+                              AHEAD: gl.constexpr, ONE_ROW: gl.constexpr, EVEN: gl.constexpr, SILU: gl.constexpr,
+                              ADD_RESIDUAL: gl.constexpr, RMS_IN: gl.constexpr, SUMS_PAD: gl.constexpr,
+                              PDL: gl.constexpr):
         """out (M ≤ 8·XGROUPS, N) = x @ dequant(w)^T, RB 16-row blocks per program, their chunks dealt to the NW warps
         (chunk c to warp c mod NW) in steps of CPS chunks a warp (CPS = 1, 2, 4, 8; CPS·RB ≤ 8): the next step's
         words and scales are in flight during a step's products (AHEAD: there is more than one step), and the first
@@ -411,7 +432,10 @@ if gluon is not None:
         of x's rows, and is shared by the RB row blocks (one B fragment, one Σ x per chunk); each group of 8 x rows
         is one more mma per plane on the same A fragment; the warps' sums are added at the end. ONE_ROW (M = 1): Σ x
         of a chunk in one mma (_ROW_SUM) instead of eight, no products for x row 1. EVEN: whole steps and row blocks
-        (weights, scales and Σ x loaded without masks). SILU: row blocks in gate/up pairs, SiLU(gate)·up stored."""
+        (weights, scales and Σ x loaded without masks). SILU: row blocks in gate/up pairs, SiLU(gate)·up stored.
+        One x row only: ADD_RESIDUAL (the layer before an RMSNorm) adds the product to res (in place), stores it
+        times the norm's weight and each program's Σ of its squares (sums_out); RMS_IN (the layer after that norm,
+        x = the stored product) scales its sums by 1/rms from the SUMS_IN partial sums at sums_in."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
         L3: gl.constexpr = _lanes(NW, RB)
         rb0 = gl.program_id(0) * RB
@@ -441,6 +465,9 @@ if gluon is not None:
                                       is_pure=False, pack=1)
         s0, s1, c0, c1 = _grid_values(_take(grids, 0, CPS, _lanes(NW, 4 * RB)), L3, FP16)
         x0 = _x_words(xa, kx, xa_ok, nchunk, EVEN)
+        if RMS_IN:                                       # loaded now, summed after the products
+            part = gl.arange(0, SUMS_PAD, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+            partial_sums = gl.load(sums_in_ptr + part, mask=part < SUMS_IN, other=0.0)
         if AHEAD:
             for step in range(steps):
                 following, following_grids = _step_loads(
@@ -455,16 +482,24 @@ if gluon is not None:
             x0, a00, a01, a10, a11, b00, b01, b10, b11 = _step_products(
                 words, grids, x0, xa, xb, xe, xa_ok, xb_ok, 0, kx, ke, nchunk, s0, s1, c0, c1,
                 a00, a01, a10, a11, b00, b01, b10, b11, L, L3, NW, CPS, RB, GROUPED, FP16, XGROUPS, ONE_ROW, EVEN)
-        _store_columns(out_ptr, a00, rb0, 0, 0, M, N, L3, SILU)
-        _store_columns(out_ptr, a10, rb0, 1, 0, M, N, L3, SILU)
-        if not ONE_ROW:
-            _store_columns(out_ptr, a01, rb0, 0, 1, M, N, L3, SILU)
-            _store_columns(out_ptr, a11, rb0, 1, 1, M, N, L3, SILU)
-        if XGROUPS > 1:
-            _store_columns(out_ptr, b00, rb0, 0, 8, M, N, L3, SILU)
-            _store_columns(out_ptr, b10, rb0, 1, 8, M, N, L3, SILU)
-            _store_columns(out_ptr, b01, rb0, 0, 9, M, N, L3, SILU)
-            _store_columns(out_ptr, b11, rb0, 1, 9, M, N, L3, SILU)
+        if ADD_RESIDUAL:
+            squares = _store_residual_sum(out_ptr, res_ptr, norm_w_ptr, a00, rb0, 0, N, L3)
+            squares += _store_residual_sum(out_ptr, res_ptr, norm_w_ptr, a10, rb0, 1, N, L3)
+            gl.store(sums_out_ptr + gl.program_id(0), squares)
+        else:
+            inv = 1.0
+            if RMS_IN:
+                inv = gl.rsqrt(gl.sum(partial_sums, axis=0) / K + eps)
+            _store_columns(out_ptr, a00, rb0, 0, 0, M, N, inv, L3, SILU)
+            _store_columns(out_ptr, a10, rb0, 1, 0, M, N, inv, L3, SILU)
+            if not ONE_ROW:
+                _store_columns(out_ptr, a01, rb0, 0, 1, M, N, inv, L3, SILU)
+                _store_columns(out_ptr, a11, rb0, 1, 1, M, N, inv, L3, SILU)
+            if XGROUPS > 1:
+                _store_columns(out_ptr, b00, rb0, 0, 8, M, N, inv, L3, SILU)
+                _store_columns(out_ptr, b10, rb0, 1, 8, M, N, inv, L3, SILU)
+                _store_columns(out_ptr, b01, rb0, 0, 9, M, N, inv, L3, SILU)
+                _store_columns(out_ptr, b11, rb0, 1, 9, M, N, inv, L3, SILU)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, grid_ptr, out_ptr, K, GROUPS, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
@@ -523,12 +558,17 @@ def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, i
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,
-         layout: tuple[int, int, int] | None = None, silu: bool = False) -> torch.Tensor:
+         layout: tuple[int, int, int] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, rms_of: tuple[torch.Tensor, float] | None = None):
     """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack) and their scales and zero
     points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step, row blocks a program; steps
     and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the GPU suite's int4_mma phase
     sweeps it). silu: the row blocks alternate gate, up (pair_blocks) and the result is SiLU(gate)·up, (rows, N/2);
-    a program then takes at least two row blocks (a pair)."""
+    a program then takes at least two row blocks (a pair).
+
+    An RMSNorm between two products of one row, folded into them: residual (1, N) and norm_weight (N,) — the
+    product is added to residual in place and (norm_weight · sum, each program's float32 Σ sum² (1, programs)) come
+    back; rms_of = (those sums, eps) — x is such a weighted sum, and the products are scaled by its 1/rms."""
     m, k = x.shape
     n = words.shape[0]
     groups = grid.shape[1]
@@ -541,14 +581,25 @@ def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict 
     if silu and (blocks == 1 or n % (2 * ROW_BLOCK)):
         raise ValueError(f"int4_mma SiLU(gate)·up of {n} paired rows needs whole pairs of row blocks and at least two "
                          f"a program, not {blocks}")
+    add = residual is not None
+    if add != (norm_weight is not None) or ((add or rms_of is not None) and m != 1) or (add and (silu or rms_of)):
+        raise ValueError("int4_mma folds an RMSNorm for one x row only: residual with norm_weight before it (no SiLU), "
+                         "rms_of after it")
+    if add and (residual.shape != (1, n) or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"int4_mma residual must be a contiguous (1, {n}) {x.dtype} tensor, not {tuple(residual.shape)}")
     nrb, nchunk = n // ROW_BLOCK, k // CHUNK
+    programs = triton.cdiv(nrb, blocks)
     out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
-    _int4_mma_gemv_kernel[(triton.cdiv(nrb, blocks),)](
-        x.contiguous(), words, grid, out, m, n, k, groups, GROUPED=groups > 1, FP16=x.dtype == torch.float16,
+    sums_out = torch.empty((1, programs), dtype=torch.float32, device=x.device) if add else out
+    sums_in, eps = rms_of if rms_of is not None else (out, 0.0)
+    _int4_mma_gemv_kernel[(programs,)](
+        x.contiguous(), words, grid, out, residual if add else out, norm_weight if add else out, sums_out, sums_in,
+        m, n, k, groups, sums_in.shape[-1], eps, GROUPED=groups > 1, FP16=x.dtype == torch.float16,
         XGROUPS=triton.cdiv(m, 8), NW=warps, CPS=step, RB=blocks, AHEAD=nchunk > warps * step, ONE_ROW=m == 1,
-        EVEN=nchunk % (warps * step) == 0 and nrb % blocks == 0, SILU=silu, num_warps=warps,
-        **(launch or {"PDL": False}))
-    return out
+        EVEN=nchunk % (warps * step) == 0 and nrb % blocks == 0, SILU=silu, ADD_RESIDUAL=add,
+        RMS_IN=rms_of is not None, SUMS_PAD=triton.next_power_of_2(sums_in.shape[-1]) if rms_of else 1,
+        num_warps=warps, **(launch or {"PDL": False}))
+    return (out, sums_out) if add else out
 
 
 def pair_blocks(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -750,16 +750,21 @@ GEMV_MMA = True       # int4 layers that fit (int4_mma.takes) in the tensor core
                       # dequantized for cuBLAS; wins over the pairs of GEMV_SILU and the fp16 scales of
                       # GEMV_HALF_SCALES, which that kernel does not read. H200, one row after a short kernel
                       # (fourteenth session's int4_mma): o 3.1 µs, down 10.8, gate_up 18.5 (CUDA-core 21.4), LM head
-                      # 73.9 (86.6); qkv stays CUDA-core: 4.2 vs 6.0 µs alone, yet no faster in the model (twice)
+                      # 73.9 (86.6); qkv 4.2 vs 6.0 µs alone, no faster in the model until MMA_NORMS folded its
+                      # RMSNorm in (W4A16_AWQ batch 1, 5 runs: 553.3 tok/s on the CUDA-core GEMV, 573.2 on int4_mma)
                       # "all": every int4 layer int4_mma takes
 # (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py --phases
 # int4_mma and decode batch 1, H200, Llama-3.1-8B shapes); other shapes: int4_mma where it has at most two row
 # blocks per SM, as o and down do (the CUDA-core GEMV lags with few, long rows)
-GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): False, (28672, 4096): True,
+GEMV_MMA_MEASURED = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): True, (28672, 4096): True,
                      (128256, 4096): True}
 MMA_SILU = True       # gate/up projections on int4_mma pair their 16-row blocks at load (int4_mma.pair_blocks), so
                       # that a program of a gate block and its up block writes SiLU(gate)·up (no silu_and_mul kernel)
-GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA", "MMA_SILU")
+MMA_NORMS = True      # at one row, o/down on int4_mma add the residual, store it times the next RMSNorm's weight and
+                      # sum its squares; qkv/gate_up on int4_mma multiply their products by 1/rms (no add_rms_norm
+                      # kernels; one rank only: kernels/folded.py); read per call. H200, 8B W4A16_AWQ batch 1 (22
+                      # runs, medians): 550.4 -> 578.6 tok/s with qkv on int4_mma (docs/performance.md)
+GEMV_SWITCHES = ("GEMV_SILU", "GEMV_NORMS", "GEMV_HALF_SCALES", "GEMV_MMA", "MMA_SILU", "MMA_NORMS")
 
 
 @dataclass(frozen=True)
@@ -1211,7 +1216,7 @@ def quant_linear(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | 
     those kernels' minimums)."""
     from . import quant
 
-    if not _gemv_takes(x, algo, params):
+    if not (_gemv_takes(x, algo, params) or _fragments(params)):
         x = _applied(x)
     if _weight_only(algo):
         out = _weight_only_product(x, algo, params)
@@ -1267,8 +1272,13 @@ FRAGMENT_SLICES = 2   # products of up to this many 16-row slices of x on int4_m
 def _fragment_product(x: torch.Tensor, params: dict, silu: bool = False) -> torch.Tensor:
     """x @ dequant(w)^T of an int4 layer in int4_mma's layout: mma.sync for ≤ FRAGMENT_SLICES slices of 16 rows of
     bf16/fp16, otherwise the weight dequantized to x's dtype for cuBLAS. silu (paired blocks): SiLU(gate)·up, by
-    int4_mma itself where it multiplies."""
+    int4_mma itself where it multiplies. x may be a DeferredNorm: int4_mma scales its products by 1/rms where the
+    GEMV before made the weighted sum (MMA_NORMS), otherwise the norm is applied first."""
     weight, grid = params["weight"], params["weight_scale"]                   # int4_mma.pack_grid's
+    if isinstance(x, DeferredNorm):
+        if x.weighted is not None and x.shape[0] == 1:
+            return int4_mma.gemv(x.weighted, weight, grid, _launch(), silu=silu, rms_of=(x.sum_squares, x.eps))
+        x = _applied(x)
     rows = x.shape[0]
     if rows <= FRAGMENT_SLICES * int4_mma.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         if rows <= int4_mma.MAX_ROWS:
@@ -1293,19 +1303,27 @@ def quant_linear_silu(x: torch.Tensor, algo: str, params: dict, bias: torch.Tens
     if not _paired(params):
         return silu_and_mul(quant_linear(x, algo, params, bias, fp8_fast_accumulation))
     if _fragments(params):
-        return _fragment_product(_applied(x), params, silu=True)
+        return _fragment_product(x, params, silu=True)
     if _gemv_takes(x, algo, params):
         return _layer_gemv(x, algo, params, silu=True)
     return silu_and_mul(_weight_only_product(_applied(x), algo, params), paired=True)
 
 
 def quant_linear_before_norm(x: torch.Tensor, algo: str, params: dict, bias: torch.Tensor | None,
-                             residual: torch.Tensor, fp8_fast_accumulation: bool = True) -> torch.Tensor | ResidualSum:
+                             residual: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                             fp8_fast_accumulation: bool = True) -> torch.Tensor | ResidualSum:
     """quant_linear of a layer whose output is added to `residual` and RMS-normalized next (one rank: no all-reduce
-    between): on the decode GEMV (GEMV_NORMS) the add is folded in and a ResidualSum comes back; otherwise the
-    product alone, for add_rms_norm."""
-    if (GEMV_NORMS and bias is None and isinstance(x, torch.Tensor) and _gemv_takes(x, algo, params)
-            and not _paired(params) and residual.dtype == x.dtype and residual.is_contiguous()):
+    between; norm_weight: that norm's, where it is deferred to the layer after): the add folded in, a ResidualSum
+    comes back — from int4_mma (MMA_NORMS, one row, with the sum times norm_weight) or the CUDA-core decode GEMV
+    (GEMV_NORMS); otherwise the product alone, for add_rms_norm."""
+    plain = (bias is None and isinstance(x, torch.Tensor) and residual.dtype == x.dtype
+             and residual.is_contiguous())
+    if (MMA_NORMS and plain and norm_weight is not None and _fragments(params) and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        weighted, sums = int4_mma.gemv(x, params["weight"], params["weight_scale"], _launch(), residual=residual,
+                                       norm_weight=norm_weight)
+        return ResidualSum(residual, sums, weighted)
+    if GEMV_NORMS and plain and _gemv_takes(x, algo, params) and not _paired(params):
         return _layer_gemv(x, algo, params, residual=residual)
     return quant_linear(x, algo, params, bias, fp8_fast_accumulation)
 

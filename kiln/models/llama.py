@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         norm may be deferred to the GEMV after (DeferredNorm)."""
         if isinstance(x, ResidualSum):
             if self.deferred:
-                return DeferredNorm(x.residual, x.sum_squares, self.weight, self.eps), x.residual
+                return DeferredNorm(x.residual, x.sum_squares, self.weight, self.eps, x.weighted), x.residual
             x, residual = x.residual, None
         if residual is None:
             norm = self.ops.rms_norm_fp8 if self.fp8_out else self.ops.rms_norm
@@ -67,6 +67,8 @@ class QuantLinear(nn.Module):
     ops = ReferenceOps
     layout = None      # the kernels' own weight layout (set at load), or None: the engine's
     gated = False      # a gated MLP's gate/up projection: the kernels may pair its rows for calls with silu=True
+    norm_after = None  # the deferred RMSNorm after this layer's residual add, whose weight its kernel may apply
+                       # (set at load: DecoderLayer.hand_norms_to_quantized_layers)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
         super().__init__()
@@ -98,7 +100,9 @@ class QuantLinear(nn.Module):
         if silu:
             return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)
         if residual is not None:
-            return self.ops.quant_linear_before_norm(x, self.algo, self.quant_params(), self.bias, residual)
+            norm_weight = None if self.norm_after is None else self.norm_after.weight
+            return self.ops.quant_linear_before_norm(x, self.algo, self.quant_params(), self.bias, residual,
+                                                     norm_weight)
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
 
     @property
@@ -218,6 +222,16 @@ class DecoderLayer(nn.Module):
             self.post_attn_norm.deferred = (isinstance(self.mlp.gate_up_proj, QuantLinear)
                                             and not self.post_attn_norm.fp8_out)
 
+    def hand_norms_to_quantized_layers(self, next_input_norm: RMSNorm | None) -> None:
+        """o_proj and down_proj learn the deferred RMSNorm after their residual add (the next layer's input norm
+        for down_proj), whose weight their kernel may apply to the sum it makes (kernels/folded.py)."""
+        pairs = [(self.attn.o_proj, self.post_attn_norm)]
+        if hasattr(self, "mlp"):
+            pairs.append((self.mlp.down_proj, next_input_norm))
+        for linear, norm in pairs:
+            if isinstance(linear, QuantLinear) and norm is not None and norm.deferred:
+                object.__setattr__(linear, "norm_after", norm)     # a reference, not a submodule: no state_dict entry
+
     def forward(self, x, residual, positions, meta, kv_cache, cos_sin):
         x, residual = self.input_norm(x, residual)
         x = self.attn(x, positions, meta, kv_cache, cos_sin, residual)
@@ -264,9 +278,12 @@ class DecoderForCausalLM(nn.Module):
                 module.comm = net.comm
             if isinstance(module, QuantLinear):
                 module.use_kernel_layout()
-        for layer in net.layers.values():
+        layers = list(net.layers.values())
+        for layer in layers:
             layer.quantize_activations_where_made()
             layer.defer_norms_to_quantized_layers()
+        for layer, after in zip(layers, layers[1:] + [None]):
+            layer.hand_norms_to_quantized_layers(after.input_norm if after is not None else None)
         return net.eval()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
