@@ -408,7 +408,8 @@ def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, g
             added = residual.clone()
             weighted, sums = int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout,
                                            residual=added, norm_weight=norm_w)
-            alike = residual + int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout)
+            _, alike = tk.add_rms_norm(int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout),
+                                       residual.clone(), norm_w, 1e-5)
             assert torch.equal(added, alike) and torch.equal(weighted, norm_w * alike), layout
             assert torch.allclose(sums.double().sum(), alike.double().pow(2).sum(), rtol=1e-5), layout
         deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
