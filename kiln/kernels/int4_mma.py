@@ -253,6 +253,14 @@ if gluon is not None:
         return a00, a01, a10, a11
 
     @gluon.jit
+    def _result_rows(rb, half, RB: gl.constexpr, S: gl.constexpr):
+        """Lane indices (32, 1) and the weight rows g + 8·half of row blocks rb … rb + RB - 1 that lane (g, t) holds,
+        (32, RB), in a warp-summed result's layout S."""
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
+        block = gl.expand_dims(gl.arange(0, RB, layout=gl.SliceLayout(0, S)), 0)
+        return lane, (rb + block) * 16 + lane // 4 + 8 * half
+
+    @gluon.jit
     def _store_columns(out_ptr, acc, rb0, half, col, M, N, inv, L3: gl.constexpr, SILU: gl.constexpr):
         """The warps' sums (NW, 32, RB) of x rows col + 2t (lane (g, t)) for weight rows g + 8·half of the row blocks
         rb0 … rb0 + RB - 1 of an (M, N) result, times inv (x's 1/rms where its RMSNorm was deferred, else 1). SILU:
@@ -275,9 +283,7 @@ if gluon is not None:
             S: gl.constexpr = gl.SliceLayout(0, L3)
             rb = rb0
             n = N
-        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
-        block = gl.expand_dims(gl.arange(0, value.shape[1], layout=gl.SliceLayout(0, S)), 0)
-        row = (rb + block) * 16 + lane // 4 + 8 * half
+        lane, row = _result_rows(rb, half, value.shape[1], S)
         c = col + 2 * (lane % 4)
         gl.store(out_ptr + c * n + row, value, mask=(c < M) & (row < n))
 
@@ -288,10 +294,7 @@ if gluon is not None:
         but for 1/rms, which the GEMV after applies to its products. Returns Σ of the sum's squares here."""
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         value = gl.sum(acc, axis=0).to(dtype)
-        S: gl.constexpr = gl.SliceLayout(0, L3)
-        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, S)), 1)
-        block = gl.expand_dims(gl.arange(0, value.shape[1], layout=gl.SliceLayout(0, S)), 0)
-        row = (rb0 + block) * 16 + lane // 4 + 8 * half
+        lane, row = _result_rows(rb0, half, value.shape[1], gl.SliceLayout(0, L3))
         ok = (lane % 4 == 0) & (row < N)                   # lanes (g, 0) hold x row 0
         total = value + gl.load(res_ptr + row, mask=ok, other=0.0)
         gl.store(res_ptr + row, total, mask=ok)
