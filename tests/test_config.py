@@ -7,12 +7,13 @@ import json
 import pytest
 
 from kiln.checkpoint.hf import read_hf_config
-from kiln.config import (AutoParallelConfig, BuildConfig, ConvertConfig, KvCacheConfig, LoraConfig, Mapping,
-                         ModelSection, PluginConfig, PretrainedConfig, QuantConfig, field_docs, load_build_file)
+from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraConfig, Mapping,
+                         ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig, field_docs,
+                         load_build_file)
 from kiln.runtime.sampling import SamplingConfig
 
-ALL = [AutoParallelConfig, BuildConfig, ConvertConfig, KvCacheConfig, LoraConfig, Mapping, ModelSection, PluginConfig,
-       PretrainedConfig, QuantConfig, SamplingConfig]
+ALL = [AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraConfig, Mapping, ModelSection,
+       ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig, SamplingConfig]
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
@@ -32,8 +33,12 @@ def test_seed_yaml_is_understood_whole():
 def test_build_lengths_resolve_and_must_agree():
     assert BuildConfig(max_input_len=100, max_seq_len=300).max_output_len == 200
     assert BuildConfig(max_input_len=100, max_output_len=50).max_seq_len == 150
-    with pytest.raises(ValueError, match="max_seq_len=300 must equal max_input_len=100 \\+ max_output_len=50"):
+    with pytest.raises(ValueError, match="max_seq_len=300 exceeds max_input_len=100 \\+ max_output_len=50"):
         BuildConfig(max_input_len=100, max_output_len=50, max_seq_len=300)
+    both = BuildConfig(max_input_len=100, max_output_len=100, max_seq_len=150)     # three limits per request
+    assert (both.max_input_len, both.max_output_len, both.max_seq_len) == (100, 100, 150)
+    with pytest.raises(ValueError, match="max_output_len=150 must be below max_seq_len=150"):
+        BuildConfig(max_input_len=100, max_output_len=150, max_seq_len=150)
     assert BuildConfig(max_input_len=100, max_num_tokens=10).max_num_tokens == 10   # for chunked context
     with pytest.raises(ValueError, match="max_batch_size must be a positive number"):
         BuildConfig(max_batch_size=0)

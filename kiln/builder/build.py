@@ -11,8 +11,16 @@ from .engine import Engine
 
 
 def build(model: PretrainedModel, build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
-    """Turn a loaded model into an engine. Each step prints its name and time."""
+    """Turn a loaded model into an engine. Each step prints its name and time. With auto_parallel_config
+    enabled over several GPUs, the (unsharded) model is split as build_auto_parallel chooses."""
     build_config = build_config or BuildConfig()
+    auto = build_config.auto_parallel_config
+    if auto.enabled and auto.world_size > 1:
+        return build_auto_parallel(model, build_config, auto.world_size, auto.max_memory_MB * 2**20, quiet)
+    return _build_rank(model, build_config, quiet)
+
+
+def _build_rank(model: PretrainedModel, build_config: BuildConfig, quiet: bool) -> Engine:
     log = StepLog("Build", 3, quiet)
     with log.step("Validate the build config against the model"):
         _validate(model, build_config, log)
@@ -66,7 +74,7 @@ def build_all_ranks(load_rank, world_size: int, build_config: BuildConfig | None
     from concurrent.futures import ThreadPoolExecutor
 
     def one(rank: int) -> Engine:
-        return build(load_rank(rank), build_config, quiet=quiet or rank > 0)
+        return _build_rank(load_rank(rank), build_config or BuildConfig(), quiet=quiet or rank > 0)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, world_size))) as pool:
         parts = list(pool.map(one, range(world_size)))
@@ -81,19 +89,22 @@ def build_sharded(model: PretrainedModel, build_config: BuildConfig, tp_size: in
     """Shard an unsharded model over tp_size × pp_size ranks and build each rank."""
     mapping = Mapping(tp_size * pp_size, 0, tp_size, pp_size)
     if mapping.world_size == 1:
-        return build(model, build_config, quiet)
+        return _build_rank(model, build_config, quiet)
     return build_all_ranks(lambda rank: model.shard(mapping.for_rank(rank)), mapping.world_size, build_config, quiet,
                            workers)
 
 
 def build_auto_parallel(model: PretrainedModel, build_config: BuildConfig, world_size: int,
                         max_memory_bytes: int | None = None, quiet: bool = False, workers: int = 1) -> Engine:
-    """Choose tp × pp for `world_size` ranks (and a per-rank memory limit), say why, shard and build."""
-    from kiln.distributed.auto import choose_parallelism
+    """Choose tp × pp for `world_size` ranks (and a per-rank memory limit), say why, shard and build; with
+    build_config.auto_parallel_config.debug_mode, print every candidate of the search."""
+    from kiln.distributed.auto import choose_parallelism, describe_search
 
     if model.config.mapping.world_size > 1:
         raise ValueError("auto_parallel needs an unsharded model or checkpoint; this one is already sharded")
     tp, pp, why = choose_parallelism(model.config, world_size, max_memory_bytes)
+    if build_config.auto_parallel_config.debug_mode:
+        print("\n".join(describe_search(model.config, world_size, max_memory_bytes, (tp, pp))), file=sys.stderr)
     if not quiet:
         print(f"auto_parallel: {why}", file=sys.stderr)
     return build_sharded(model, build_config, tp, pp, quiet, workers)

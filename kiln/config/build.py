@@ -14,9 +14,12 @@ class PluginConfig:
     """Kernel choices of the engine (named after trtllm-build's plugin flags)."""
 
     gemm_plugin: str = "auto"
-    """GEMM precision: auto (the model's dtype), disable, or a dtype equal to the model's."""
+    """GEMM precision: auto or the model's dtype (the builder refuses any other). Kiln's GEMMs always compute in
+    the model's dtype through its own kernels; disable (TensorRT's non-plugin GEMMs) is refused: there is no
+    other GEMM path to fall back to."""
     gpt_attention_plugin: str = "auto"
-    """Attention precision: auto (the model's dtype), or a dtype equal to the model's."""
+    """Attention precision: auto or the model's dtype (the builder refuses any other); Kiln's attention always
+    computes in the model's dtype."""
     context_fmha: bool = True
     """Fused attention for context (prompt) tokens; off uses the reference implementation everywhere."""
     remove_input_padding: bool = True
@@ -25,8 +28,10 @@ class PluginConfig:
     """Keep the KV cache in fixed-size blocks. Kiln always pages its cache; False is rejected."""
     tokens_per_block: int = 32
     """Tokens per KV-cache block (a power of two)."""
-    use_paged_context_fmha: bool = False
-    """Context attention reads earlier tokens from the paged cache (needed by block reuse and chunked context)."""
+    use_paged_context_fmha: bool = True
+    """Context attention reads earlier tokens from the paged cache (what block reuse and chunked context need).
+    Kiln's context attention always does (kiln/kernels: reference.paged_attention and the Triton kernel read the
+    keys through the block table), so False is refused."""
     multi_block_mode: bool = True
     """Split generation attention along the sequence (512 tokens per program) so long contexts use the whole
     GPU; off, one program covers a sequence's whole cache."""
@@ -49,12 +54,17 @@ class PluginConfig:
     """LoRA kernel dtype; None disables LoRA."""
 
     def __post_init__(self):
+        if self.gemm_plugin == "disable":
+            raise ValueError("PluginConfig.gemm_plugin='disable' is not supported by Kiln: every GEMM runs through "
+                             "Kiln's own kernels in the model's dtype; use auto (or the model's dtype)")
         require_choice("PluginConfig", "gemm_plugin", self.gemm_plugin, DTYPE_CHOICES)
         require_choice("PluginConfig", "gpt_attention_plugin", self.gpt_attention_plugin, DTYPE_CHOICES[:1] + DTYPE_CHOICES[2:])
         require_positive("PluginConfig", tokens_per_block=self.tokens_per_block)
         require(self.tokens_per_block & (self.tokens_per_block - 1) == 0,
                 f"PluginConfig.tokens_per_block={self.tokens_per_block} must be a power of two")
         reject_unsupported(self, ["remove_input_padding", "paged_kv_cache"], "Kiln always uses packed, paged inputs")
+        reject_unsupported(self, ["use_paged_context_fmha"],
+                           "Kiln's context attention always reads earlier tokens from the paged cache")
         reject_unsupported(self, ["use_fp8_context_fmha", "use_fp8_cast_plugin"], "FP8 is not implemented yet")
         reject_unsupported(self, ["use_fp8_all_reduce"], "Kiln all-reduces in the model's dtype")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
@@ -70,13 +80,14 @@ class LoraConfig:
     lora_target_modules: list[str] = field(default_factory=list)
     """Modules that get LoRA adapters."""
     lora_ckpt_source: str = "hf"
-    """Format of the LoRA checkpoints: hf or nemo."""
+    """Format of the LoRA checkpoints: hf or nemo (LoRA is not implemented: only the default is accepted)."""
     max_lora_rank: int = 64
-    """Largest adapter rank the engine accepts."""
+    """Largest adapter rank the engine accepts (LoRA is not implemented: only the default is accepted)."""
 
     def __post_init__(self):
         require_choice("LoraConfig", "lora_ckpt_source", self.lora_ckpt_source, ("hf", "nemo"))
-        reject_unsupported(self, ["lora_dir", "lora_target_modules"], "LoRA is not implemented yet")
+        reject_unsupported(self, ["lora_dir", "lora_target_modules", "lora_ckpt_source", "max_lora_rank"],
+                           "LoRA is not implemented yet")
 
 
 @dataclass
@@ -90,7 +101,7 @@ class AutoParallelConfig:
     pp_size: int = 1
     """With enabled: see tp_size."""
     max_memory_MB: int = 80000
-    """GPU memory per device available to the model."""
+    """With enabled: memory per GPU for the model's weights; a split that needs more is refused."""
     max_dram_memory_MB: int = 30000
     """Host memory available per device."""
     compile_max_memory_MB: int = 17000
@@ -98,13 +109,17 @@ class AutoParallelConfig:
     compile_max_dram_memory_MB: int = 8000
     """Host memory available while building."""
     debug_mode: bool = False
-    """Print the reasoning of the search."""
+    """With enabled: print every tp × pp candidate of the search, whether it shards and fits, and why the chosen
+    one won."""
 
     def __post_init__(self):
         require_positive("AutoParallelConfig", tp_size=self.tp_size, pp_size=self.pp_size,
                          max_memory_MB=self.max_memory_MB)
         require(self.enabled or self.world_size == 1,
                 "AutoParallelConfig: tp_size/pp_size count the GPUs for enabled: true; set enabled or leave them 1")
+        require(self.enabled or (self.max_memory_MB == 80000 and not self.debug_mode),
+                "AutoParallelConfig: max_memory_MB and debug_mode apply to the search of enabled: true; set enabled "
+                "or leave them at their defaults")
         reject_unsupported(self, ["max_dram_memory_MB", "compile_max_memory_MB", "compile_max_dram_memory_MB"],
                            "Kiln's builder sizes itself; only max_memory_MB limits the choice")
 
@@ -120,9 +135,11 @@ class BuildConfig:
     max_input_len: int = 256
     """Longest prompt, in tokens."""
     max_output_len: int | None = None
-    """Most tokens generated per request; None means max_seq_len - max_input_len (256 when both are None)."""
+    """Most tokens generated per request (LLM refuses a larger max_new_tokens); None means
+    max_seq_len - max_input_len (256 when both are None)."""
     max_seq_len: int | None = None
-    """Longest prompt + output; None means max_input_len + max_output_len."""
+    """Longest prompt + output; None means max_input_len + max_output_len. Given with both, it may be less than
+    their sum: every request then keeps all three limits."""
     max_batch_size: int = 8
     """Most requests in flight at once."""
     max_beam_width: int = 1
@@ -145,7 +162,8 @@ class BuildConfig:
     builder_opt: int | None = None
     """Builder optimisation level."""
     profiling_verbosity: str = "layer_names_only"
-    """Detail of --visualize_network: layer_names_only (names), detailed (names, shapes, dtypes) or none."""
+    """Detail of --visualize_network: layer_names_only (names), detailed (names, shapes, dtypes) or none;
+    detailed without visualize_network is refused (it has nothing to detail)."""
     enable_debug_output: bool = False
     """Keep intermediate tensors for debugging."""
     max_draft_len: int = 0
@@ -194,10 +212,18 @@ class BuildConfig:
         require_positive(owner, max_input_len=self.max_input_len, max_output_len=self.max_output_len,
                          max_seq_len=self.max_seq_len, max_batch_size=self.max_batch_size,
                          max_beam_width=self.max_beam_width, max_num_tokens=self.max_num_tokens)
-        require(self.max_seq_len == self.max_input_len + self.max_output_len,
-                f"BuildConfig: max_seq_len={self.max_seq_len} must equal max_input_len={self.max_input_len} + "
-                f"max_output_len={self.max_output_len}; give only one of max_seq_len and max_output_len")
+        require(self.max_seq_len <= self.max_input_len + self.max_output_len,
+                f"BuildConfig: max_seq_len={self.max_seq_len} exceeds max_input_len={self.max_input_len} + "
+                f"max_output_len={self.max_output_len}: no request could use it; give only one of max_seq_len "
+                "and max_output_len")
+        for name in ("max_input_len", "max_output_len"):
+            require(getattr(self, name) < self.max_seq_len,
+                    f"BuildConfig.{name}={getattr(self, name)} must be below max_seq_len={self.max_seq_len} "
+                    "(a request has at least one prompt token and generates at least one)")
         require_choice(owner, "profiling_verbosity", self.profiling_verbosity, ("layer_names_only", "detailed", "none"))
+        require(self.profiling_verbosity != "detailed" or self.visualize_network,
+                "BuildConfig.profiling_verbosity='detailed' only details visualize_network's network.txt: set "
+                "visualize_network, or leave profiling_verbosity at layer_names_only")
         reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
         reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")

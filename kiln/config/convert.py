@@ -57,7 +57,7 @@ class ConvertConfig:
     moe_tp_mode: int = 0
     """MoE experts across tensor-parallel ranks: 0 expert parallel (experts divided), 1 tensor parallel."""
     meta_ckpt_dir: str | None = None
-    """A Meta (consolidated.*.pth) checkpoint directory."""
+    """A Meta (consolidated.*.pth) checkpoint directory: not supported (convert the HF model), so refused."""
     use_weight_only: bool = False
     """Weight-only quantization (W8A16 / W4A16)."""
     weight_only_precision: str = "int8"
@@ -94,7 +94,9 @@ class ConvertConfig:
     """Use the non-plugin weight-only path."""
     load_by_shard: bool = False
     """With tp_size/pp_size: read each rank's share of the HF checkpoint a tensor at a time, so host memory holds
-    one rank's weights instead of the whole model (not with quantization, which calibrates the whole model)."""
+    one rank's weights instead of the whole model (not with quantization, which calibrates the whole model). With
+    one rank, its share is the whole model; a random-weight model (no model directory) has nothing to read, so it
+    is refused there."""
     load_model_on_cpu: bool = True
     """Convert on the host (False, converting on the GPU, is not supported)."""
     use_parallel_embedding: bool = False
@@ -107,7 +109,7 @@ class ConvertConfig:
     workers: int = 1
     """Ranks sharded and written in parallel (threads)."""
     save_config_only: bool = False
-    """Write only config.json, no weights."""
+    """kiln convert writes only config.json, no weights (refused in a build file, which builds an engine)."""
 
     def __post_init__(self):
         require_positive("ConvertConfig", tp_size=self.tp_size, pp_size=self.pp_size, workers=self.workers,
@@ -115,6 +117,8 @@ class ConvertConfig:
         reject_unsupported(self, ["ammo_quant_ckpt_path", "dataset_cache_dir"],
                            "Kiln calibrates on its own text; import quantized models as AWQ/GPTQ HF checkpoints")
         reject_unsupported(self, ["disable_weight_only_quant_plugin"], "Kiln has one weight-only kernel path")
+        reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
+        reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
         require_positive("ConvertConfig", calib_size=self.calib_size)
         if self.load_by_shard and self.quant_config().enabled:
             raise ValueError("ConvertConfig: load_by_shard cannot quantize (calibration needs the whole model)")
@@ -144,8 +148,6 @@ class ConvertConfig:
                            smoothquant_val=0.5 if self.smoothquant is None else self.smoothquant,
                            exclude_modules=excluded_modules(self.quantize_lm_head),
                            learned_rounding_steps=self.learned_rounding_steps)
-        reject_unsupported(self, ["meta_ckpt_dir"], "Meta checkpoints are not supported; convert the HF model")
-        reject_unsupported(self, ["load_model_on_cpu"], "Kiln converts on the host")
 
     def parallel_fields(self) -> dict:
         """The PretrainedConfig fields these flags set for a sharded checkpoint."""
@@ -162,6 +164,9 @@ class ConvertConfig:
 
     def random_model_config(self, dtype: str) -> PretrainedConfig:
         """The PretrainedConfig of a random-weight model described by the shape fields (no model_dir)."""
+        if self.load_by_shard:
+            raise ValueError("load_by_shard reads a model directory a tensor at a time; a random-weight model "
+                             "(no model directory) has none: remove it or give the model directory")
         for src in ("vocab_size", "n_layer", "n_head", "n_embd", "inter_size"):
             if getattr(self, src) is None:
                 raise ValueError(f"without a model directory, checkpoint.{src} is needed to describe the model")

@@ -14,9 +14,11 @@ class KvCacheConfig:
     max_tokens: int | None = None
     """Most tokens the cache holds (over all requests); None sizes it from memory and the engine's limits."""
     free_gpu_memory_fraction: float = 0.9
-    """On a GPU: share of the memory free after loading the weights that the cache may take."""
+    """On a GPU: share of the memory free after loading the weights that the cache may take (LLM refuses another
+    value on the CPU, where host_cache_bytes sizes the cache)."""
     host_cache_bytes: int = 2 << 30
-    """On the CPU: bytes the cache may take."""
+    """On the CPU: bytes the cache may take (LLM refuses another value on a GPU, where free_gpu_memory_fraction
+    sizes the cache)."""
     enable_block_reuse: bool = False
     """Share cached blocks between requests with a common prefix."""
 

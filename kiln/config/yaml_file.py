@@ -23,9 +23,14 @@ class ModelSection:
 
 @dataclass
 class BuildFile:
+    """A whole build YAML: which model, how it is converted, how the engine is built."""
+
     model: ModelSection = field(default_factory=ModelSection)
+    """The `model:` section."""
     checkpoint: ConvertConfig = field(default_factory=ConvertConfig)
+    """The `checkpoint:` section: kiln convert's settings, applied on the way to the engine."""
     build: BuildConfig = field(default_factory=BuildConfig)
+    """The `build:` section."""
 
 
 def load_build_file(path: str | Path) -> BuildFile:
