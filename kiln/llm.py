@@ -13,7 +13,7 @@ import torch
 
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import BuildConfig, KvCacheConfig, ParallelConfig, PretrainedConfig, SchedulerPolicy
+from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
 from kiln.distributed import launched_rank, rank_device, serve_steps
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
@@ -28,9 +28,11 @@ PROGRESS_BAR_MIN_PROMPTS = 64
 
 
 def default_build_config(config: PretrainedConfig) -> BuildConfig:
-    """Limits used when LLM builds an engine itself: up to 4096 tokens per sequence, 64 sequences at once."""
+    """Limits used when LLM builds an engine itself: up to 4096 tokens per sequence (prompt and output share
+    them as each request needs), 64 sequences at once."""
     max_seq_len = min(config.max_position_embeddings, 4096)
-    return BuildConfig(max_batch_size=64, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
+    return BuildConfig(max_batch_size=64, max_input_len=max_seq_len - 1, max_output_len=max_seq_len - 1,
+                       max_seq_len=max_seq_len)
 
 
 def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
@@ -38,23 +40,30 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
     """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file;
     with a parallel_config of several ranks, models and checkpoints are sharded and every rank built."""
     if isinstance(model, Engine):
+        _check_built("the Engine given", model.pretrained_config.mapping, dtype, build_config, parallel_config)
         return model
     if isinstance(model, PretrainedModel):
+        if dtype != "auto":
+            raise ValueError(f"dtype={dtype!r}: a loaded model keeps its own dtype ({model.config.dtype}); "
+                             "give dtype when loading it")
         return _build(model, build_config, parallel_config, quiet)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir() and is_engine_dir(path):
-        if build_config is not None or dtype != "auto":
-            raise ValueError(f"{path} is a built engine: build_config and dtype cannot change it; rebuild instead")
+        from kiln.builder.engine import read_manifest
+
+        mapping = PretrainedConfig.from_dict(read_manifest(path)["pretrained_config"]).mapping
+        _check_built(str(path), mapping, dtype, build_config, parallel_config)
         return Engine.from_dir(path, device=device)
     if path.is_dir() and is_checkpoint_dir(path):
         config = load_checkpoint_config(path)
         if dtype != "auto":
             raise ValueError(f"{path} is a Kiln checkpoint in {config.dtype}; dtype is chosen at conversion")
         if config.mapping.world_size > 1:
-            if parallel_config is not None:
-                raise ValueError(f"{path} is already sharded ({config.mapping.world_size} ranks): leave parallel_config out")
+            if parallel_config is not None or (build_config is not None and build_config.auto_parallel_config.enabled):
+                raise ValueError(f"{path} is already sharded ({config.mapping.world_size} ranks): leave "
+                                 "parallel_config and auto_parallel_config out")
             cls = model_class(config.architecture)
             return build_all_ranks(lambda rank: cls.from_checkpoint(path, rank), config.mapping.world_size,
                                    build_config or default_build_config(config), quiet)
@@ -64,14 +73,48 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
     return _build(loaded, build_config, parallel_config, quiet)
 
 
+def _check_built(where: str, mapping: Mapping, dtype: str, build_config: BuildConfig | None,
+                 parallel: ParallelConfig | None) -> None:
+    """An engine is built: build_config and dtype cannot change it, and a parallel_config must be its own layout
+    (or one rank: none asked for)."""
+    if build_config is not None or dtype != "auto":
+        raise ValueError(f"{where} is a built engine: build_config and dtype cannot change it; rebuild instead")
+    if parallel is None or (parallel.tp_size * parallel.pp_size == 1 and not parallel.auto_parallel):
+        return
+    agrees = (parallel.world_size == mapping.world_size if parallel.auto_parallel
+              else (parallel.tp_size, parallel.pp_size) == (mapping.tp_size, mapping.pp_size))
+    if not agrees:
+        asked = (f"auto_parallel over world_size={parallel.world_size}" if parallel.auto_parallel
+                 else f"tp_size={parallel.tp_size}, pp_size={parallel.pp_size}")
+        raise ValueError(f"parallel_config ({asked}) disagrees with {where}, built for tp_size={mapping.tp_size}, "
+                         f"pp_size={mapping.pp_size}: an engine's parallelism is fixed when it is built; leave "
+                         "parallel_config out (or give the engine's) or rebuild")
+
+
 def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: ParallelConfig | None, quiet: bool):
     build_config = build_config or default_build_config(model.config)
     if parallel is None or (parallel.tp_size * parallel.pp_size == 1 and not parallel.auto_parallel):
         return build(model, build_config, quiet)
+    if build_config.auto_parallel_config.enabled:
+        raise ValueError("parallelism is given twice (parallel_config and build_config.auto_parallel_config): "
+                         "give one")
     if parallel.auto_parallel:
         limit = parallel.max_memory_mb * 2**20 if parallel.max_memory_mb else None
         return build_auto_parallel(model, build_config, parallel.world_size, limit, quiet)
     return build_sharded(model, build_config, parallel.tp_size, parallel.pp_size, quiet)
+
+
+def _check_kv_cache_device(kv_cache_config: KvCacheConfig | None, device: torch.device) -> None:
+    """Each memory limit of the KV cache applies on one kind of device; the other's is refused, not ignored."""
+    if kv_cache_config is None:
+        return
+    default, on_gpu = KvCacheConfig(), device.type == "cuda"
+    if on_gpu and kv_cache_config.host_cache_bytes != default.host_cache_bytes:
+        raise ValueError("KvCacheConfig.host_cache_bytes sizes the cache on the CPU; on a GPU give "
+                         "free_gpu_memory_fraction (or max_tokens)")
+    if not on_gpu and kv_cache_config.free_gpu_memory_fraction != default.free_gpu_memory_fraction:
+        raise ValueError(f"KvCacheConfig.free_gpu_memory_fraction sizes the cache on a GPU; on {device.type} give "
+                         "host_cache_bytes (or max_tokens)")
 
 
 def _freeze_live_objects() -> None:
@@ -127,8 +170,9 @@ class LLM:
         if enable_trt_overlap and scheduling_policy is not SchedulerPolicy.GUARANTEED_NO_EVICT:
             raise ValueError("enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT (a preempted "
                              "sequence cannot be recomputed while its next token is still on the device)")
-        _freeze_live_objects()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _check_kv_cache_device(kv_cache_config, self.device)
+        _freeze_live_objects()
         self._workers = self._parallel = self._tmp_engine = None
         launched = launched_rank()
         if launched is not None:
@@ -280,6 +324,9 @@ class LLM:
         if len(ids) > build_limits.max_input_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the engine's max_input_len="
                              f"{build_limits.max_input_len}")
+        if sampling.max_new_tokens > build_limits.max_output_len:
+            raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds the engine's max_output_len="
+                             f"{build_limits.max_output_len}")
         if len(ids) + sampling.max_new_tokens > build_limits.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
                              f"{len(ids) + sampling.max_new_tokens} exceeds the engine's max_seq_len="

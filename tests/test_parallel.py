@@ -85,7 +85,7 @@ def test_a_dead_worker_is_a_clear_error(tiny_models):
     llm = LLM(hf_dir, build_config=BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=512),
               parallel_config=ParallelConfig(tp_size=2, timeout_s=30), quiet=True)
     try:
-        result = llm.generate_async(list(range(5, 20)), SamplingConfig(max_new_tokens=490, end_id=-1))
+        result = llm.generate_async(list(range(5, 20)), SamplingConfig(max_new_tokens=480, end_id=-1))
         time.sleep(1.0)
         llm._workers.processes[0].kill()
         start = time.time()

@@ -337,7 +337,7 @@ def test_decoding_mode_and_request_limits(llama):
             llm.generate([1, 2], SamplingConfig(num_beams=2))
         with pytest.raises(ValueError, match="may need .* KV-cache blocks"):
             LLM(model, build_config=BuildConfig(max_input_len=64, max_seq_len=128), quiet=True,
-                kv_cache_config=KvCacheConfig(max_tokens=128)).generate([1, 2], SamplingConfig(max_new_tokens=100, n=4))
+                kv_cache_config=KvCacheConfig(max_tokens=128)).generate([1, 2], SamplingConfig(max_new_tokens=60, n=4))
     with pytest.raises(ValueError, match="enable_chunked_context=True is needed"):
         LLM(model, build_config=BuildConfig(max_input_len=64, max_seq_len=128, max_num_tokens=32), quiet=True)
     with pytest.raises(ValueError, match="enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT"):

@@ -12,6 +12,7 @@ from kiln.config import AutoParallelConfig, BuildConfig, ConvertConfig, LoraConf
 from .args import add_dataclass_args, parse_bool, pick
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def _convert_parser(sub) -> None:
@@ -53,7 +54,8 @@ def _run_parser(sub) -> None:
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int,
+                   help="most tokens to generate per prompt (default: 128, or the engine's max_output_len if lower)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top_k", type=int)
     p.add_argument("--top_p", type=float)
@@ -164,7 +166,7 @@ def cmd_convert(args) -> None:
     if args.model_dir:
         model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, convert_config=convert)
     else:
-        model = LlamaForCausalLM.random(convert.random_model_config(args.dtype), seed=args.seed)
+        model = LlamaForCausalLM.from_convert_config(convert, args.dtype, seed=args.seed)
     _check_embedding_sharing(convert, model.config)
     model.config = dataclasses.replace(model.config, **convert.parallel_fields())
     model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only, mapping=mapping,
@@ -180,17 +182,25 @@ def _check_embedding_sharing(convert: ConvertConfig, config) -> None:
 def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mapping, output_dir: str) -> None:
     """Each rank read on its own from the HF directory (load_by_shard), `convert.workers` ranks at a time."""
     from kiln.checkpoint import save_checkpoint
-    from kiln.models import LlamaForCausalLM
 
-    def rank_model(rank: int):
-        return LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping=mapping.for_rank(rank),
-                                                  convert_config=convert, quiet=rank > 0)
-
+    rank_model = _rank_reader(model_dir, dtype, convert, mapping, quiet=False)
     first = rank_model(0)
-    _check_embedding_sharing(convert, first.config)
     ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
     save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files, config_only=convert.save_config_only,
                     workers=convert.workers)
+
+
+def _rank_reader(model_dir: str, dtype: str, convert: ConvertConfig, mapping, quiet: bool):
+    """rank → that rank's share of the HF directory, read a tensor at a time (load_by_shard)."""
+    from kiln.models import LlamaForCausalLM
+
+    def rank_model(rank: int):
+        model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping=mapping.for_rank(rank),
+                                                   convert_config=convert, quiet=quiet or rank > 0)
+        _check_embedding_sharing(convert, model.config)
+        return model
+
+    return rank_model
 
 
 def build_config_from_args(args) -> BuildConfig:
@@ -208,10 +218,9 @@ def cmd_build(args) -> None:
     from kiln.models import LlamaForCausalLM
 
     quiet = args.log_level in ("warning", "error", "internal_error")
-    tp = pp = 1
     workers = args.workers
     if args.config:
-        model, build_config, output_dir, (tp, pp, workers) = _from_build_file(args)
+        engine, build_config, output_dir = _from_build_file(args, quiet)
     else:
         build_config, output_dir = build_config_from_args(args), args.output_dir
         if args.checkpoint_dir:
@@ -230,7 +239,8 @@ def cmd_build(args) -> None:
             model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir)
         else:
             model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
-    _finish_build(_build_model(model, build_config, tp, pp, quiet, workers), build_config, output_dir, quiet)
+        engine = _build_model(model, build_config, 1, 1, quiet, workers)
+    _finish_build(engine, build_config, output_dir, quiet)
 
 
 def _build_model(model, build_config: BuildConfig, tp: int, pp: int, quiet: bool, workers: int):
@@ -280,8 +290,11 @@ def _compile_gpu_kernels(engine, quiet: bool) -> None:
               file=sys.stderr)
 
 
-def _from_build_file(args):
-    from kiln.config import load_build_file
+def _from_build_file(args, quiet: bool):
+    """(engine, build config, output dir) of a build YAML: the model converted as its checkpoint: section says
+    (random weights of its shape without model_dir, quantized by its flags; read by shard with load_by_shard)."""
+    from kiln.builder import build_all_ranks
+    from kiln.config import Mapping, load_build_file
     from kiln.models import LlamaForCausalLM
 
     given = list(pick(args, args.build_fields + args.plugin_fields + args.lora_fields))
@@ -290,19 +303,32 @@ def _from_build_file(args):
     if given:
         raise ValueError(f"--config takes every setting from the YAML file; remove {given[0]}")
     spec = load_build_file(args.config)
-    convert = spec.checkpoint
-    if spec.model.model_dir:
-        model = LlamaForCausalLM.from_hugging_face(spec.model.model_dir, spec.model.dtype, convert_config=convert)
+    convert, model_dir, build_config = spec.checkpoint, spec.model.model_dir, spec.build
+    if convert.save_config_only:
+        raise ValueError(f"{args.config}: checkpoint.save_config_only writes a checkpoint's config.json (kiln "
+                         "convert); a build file builds an engine (build.dry_run builds without writing)")
+    mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
+    if convert.load_by_shard and mapping.world_size > 1 and model_dir:
+        if build_config.auto_parallel_config.enabled:
+            raise ValueError("give either the checkpoint's tp_size/pp_size or auto_parallel, not both")
+        engine = build_all_ranks(_rank_reader(model_dir, spec.model.dtype, convert, mapping, quiet),
+                                 mapping.world_size, build_config, quiet, convert.workers)
+        return engine, build_config, spec.model.output_dir
+    if model_dir:
+        model = LlamaForCausalLM.from_hugging_face(model_dir, spec.model.dtype, convert_config=convert, quiet=quiet)
     else:
-        model = LlamaForCausalLM.random(convert.random_model_config(spec.model.dtype))
+        model = LlamaForCausalLM.from_convert_config(convert, spec.model.dtype, quiet=quiet)
+    _check_embedding_sharing(convert, model.config)
     model.config = dataclasses.replace(model.config, **convert.parallel_fields())
-    return model, spec.build, spec.model.output_dir, (convert.tp_size, convert.pp_size, convert.workers)
+    engine = _build_model(model, build_config, convert.tp_size, convert.pp_size, quiet, convert.workers)
+    return engine, build_config, spec.model.output_dir
 
 
-def _sampling(args):
+def _sampling(args, max_output_len: int):
     from kiln import SamplingConfig
 
-    return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    max_new_tokens = args.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, max_output_len)
+    return SamplingConfig(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, random_seed=args.seed)
 
 
@@ -316,7 +342,7 @@ def _chat(llm, args) -> None:
         else:
             prompts.append(text)
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, _sampling(args))
+    outputs = llm.generate(prompts, _sampling(args, llm.build_config.max_output_len))
     elapsed = time.perf_counter() - t0
     for text, out in zip(args.prompt, outputs):
         print(f"> {text}\n{out.text.strip()}\n")

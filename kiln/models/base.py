@@ -44,11 +44,16 @@ class PretrainedModel:
                 raise ValueError("quantizing needs the whole model (calibration): convert without a mapping or "
                                  "load_by_shard, or quantize first and shard the result")
             return cls._load_rank(model_dir, dtype, mapping, convert_config, quiet)
-        model = cls._load_hugging_face(model_dir, dtype, convert_config, quiet)
-        if quant_config is not None and quant_config.enabled:
-            from kiln.quantization import quantize_model
-            model = quantize_model(model, quant_config, calib_size, quiet)
-        return model
+        return cls._load_hugging_face(model_dir, dtype, convert_config, quiet).quantized(quant_config, calib_size, quiet)
+
+    def quantized(self, quant_config: QuantConfig | None, calib_size: int = 16, quiet: bool = False):
+        """This model quantized as `quant_config` asks (calibrated on calib_size sequences); itself when it asks
+        for nothing."""
+        if quant_config is None or not quant_config.enabled:
+            return self
+        from kiln.quantization import quantize_model
+
+        return quantize_model(self, quant_config, calib_size, quiet)
 
     @classmethod
     def _load_rank(cls, model_dir, dtype: str, mapping: Mapping, convert_config: ConvertConfig | None, quiet: bool):
@@ -114,6 +119,14 @@ class PretrainedModel:
             else:
                 weights[name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
         return cls(config, weights, source="random weights")
+
+    @classmethod
+    def from_convert_config(cls, convert_config: ConvertConfig, dtype: str = "auto", seed: int = 0,
+                            quiet: bool = False):
+        """A random-weight model of the shape `convert_config` describes (no model directory), quantized as its
+        flags ask, exactly as from_hugging_face quantizes a real model with the same flags."""
+        model = cls.random(convert_config.random_model_config(dtype), seed=seed)
+        return model.quantized(convert_config.quant_config(), convert_config.calib_size, quiet)
 
     def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False, mapping: Mapping | None = None,
                         workers: int = 1) -> Path:

@@ -20,7 +20,8 @@ async def create_chat_completion(request: Request, server) -> JSONResponse | Eve
     server.check_model(req.model)
     server.note_prompt(request, req.chat(), req.user)
     prompt = _template(server.llm, req.chat())
-    max_new = req.max_new_tokens or max(1, server.llm.build_config.max_seq_len - len(prompt))
+    limits = server.llm.build_config
+    max_new = req.max_new_tokens or max(1, min(limits.max_output_len, limits.max_seq_len - len(prompt)))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     generation = Generation(server.llm, [prompt], sampling_config(req, max_new, logprobs), bool(req.stream),
                             server.admission, server.metrics)
