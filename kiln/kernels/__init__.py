@@ -84,9 +84,10 @@ class TritonOps(ReferenceOps):
     name = "triton"
 
     def __init__(self, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
-        from . import triton_kernels
+        from . import fused_moe, triton_kernels
 
         self._k = triton_kernels
+        self._moe = fused_moe
         self.context_fmha = context_fmha
         self.fp8_fast_accumulation = fp8_fast_accumulation
         self.rms_norm = triton_kernels.rms_norm
@@ -116,6 +117,10 @@ class TritonOps(ReferenceOps):
         return self._k.decode_attention(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, meta.block_tables,
                                         meta.seq_lens, heads, kv_heads, head_dim, scale, sliding_window,
                                         meta.num_parts, meta.part_tokens)
+
+    def moe(self, x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
+        return self._moe.fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo,
+                                   self.fp8_fast_accumulation)
 
     def quant_linear(self, x, algo, params, bias=None):
         return self._k.quant_linear(x, algo, params, bias, self.fp8_fast_accumulation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .metadata import AttentionMetadata
 
 
@@ -118,22 +119,42 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out[q_valid]                                                          # (T, H, D)
 
 
-def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-        renormalize: bool, first_expert: int = 0) -> torch.Tensor:
-    """Mixture of experts: route each token (T, H) to top_k experts of gate_up (E, 2I, H), down (E, H, I).
-    The router scores all experts; this call computes only experts first_expert .. first_expert + E - 1 (the
-    rest live on other ranks and their contributions arrive through an all-reduce)."""
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, k) in x's dtype, experts (T, k)) of each token: the top_k of the router's softmax (float32),
+    renormalised to sum to one where `renormalize` (Mixtral)."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)                  # (T, E)
     weights, experts = torch.topk(probs, top_k, dim=-1)                         # (T, k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
+    return weights.to(x.dtype), experts
+
+
+def expert_params(params: dict, expert: int) -> dict:
+    """One expert's tensors of a quantized projection stacked over experts (the static input scale is shared)."""
+    return {name: t if name == "input_scale" else t[expert] for name, t in params.items()}
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor | dict, expert: int, algo: str | None) -> torch.Tensor:
+    """x times one expert's projection: a float (E, out, in) tensor, or a dict of `algo`'s stacked tensors."""
+    if isinstance(weight, dict):
+        return quant.quant_linear(x, algo, expert_params(weight, expert), None)
+    return F.linear(x, weight[expert])
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dict, down: torch.Tensor | dict, top_k: int,
+        renormalize: bool, first_expert: int = 0, algo: str | None = None) -> torch.Tensor:
+    """Mixture of experts: route each token (T, H) to top_k experts of gate_up (E, 2I, H), down (E, H, I).
+    The router scores all experts; this call computes only experts first_expert .. first_expert + E - 1 (the
+    rest live on other ranks and their contributions arrive through an all-reduce). gate_up and down are float
+    tensors or, quantized, dicts of `algo`'s tensors (kernels/quant.py) with a leading expert dimension."""
+    weights, experts = route(x, router, top_k, renormalize)
+    local_experts = (gate_up["weight"] if isinstance(gate_up, dict) else gate_up).shape[0]
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
         local = e - first_expert
-        if not 0 <= local < gate_up.shape[0]:
+        if not 0 <= local < local_experts:
             continue
         token, slot = (experts == e).nonzero(as_tuple=True)
-        h = silu_and_mul(F.linear(x[token], gate_up[local]))
-        out.index_add_(0, token, F.linear(h, down[local]) * weights[token, slot, None])
+        h = silu_and_mul(expert_linear(x[token], gate_up, local, algo))
+        out.index_add_(0, token, expert_linear(h, down, local, algo) * weights[token, slot, None])
     return out
