@@ -105,8 +105,8 @@ def test_convert_flags_and_bad_combinations(tiny_models, tmp_path, capsys):
                  "--weight_only_precision", "int4_gptq"]) == 2
     assert "quantizes per group: add per_group" in capsys.readouterr().err
     mixtral_dir, _ = tiny_models["mixtral"]
-    with pytest.raises(ValueError, match="quantizing MoE experts .* is not supported yet"):
-        LlamaForCausalLM.from_hugging_face(mixtral_dir, quant_config=QuantConfig("W8A16"), quiet=True)
+    with pytest.raises(ValueError, match="MoE experts take W8A16, W4A16\\*, FP8\\* or no weight quantization"):
+        LlamaForCausalLM.from_hugging_face(mixtral_dir, quant_config=QuantConfig("W8A8_SQ_PER_CHANNEL"), quiet=True)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(LlamaForCausalLM.from_checkpoint(tmp_path / "c"), QuantConfig("W8A16"))
     with pytest.raises(ValueError, match="choose one of use_weight_only, smoothquant, use_fp8"):

@@ -3,6 +3,8 @@
 A quantized linear layer keeps the same base name with the tensors of its format (kiln.kernels.quant):
 `weight` (int8, packed int4 or fp8), `weight_scale`, and where the scheme needs them `weight_zero`,
 `input_scale` (static activation scale) and `smoother` (SmoothQuant factors not folded into a norm).
+MoE experts are stacked, (E, out, in) per projection; quantized, each tensor of the format gets that leading
+expert dimension.
 """
 from __future__ import annotations
 
@@ -46,6 +48,16 @@ def linear_shapes(base: str, out_features: int, in_features: int, bias: bool,
     return shapes
 
 
+def expert_shapes(base: str, experts: int, out_features: int, in_features: int,
+                  config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one projection of a layer's experts: float `base` (E, out, in), or the tensors of
+    `config.quantization`'s format with a leading expert dimension (a static input_scale: one for all)."""
+    if not config.quantization.quantizes(engine_module_name(base)):
+        return {base: (experts, out_features, in_features)}
+    return {name: shape if name.endswith(".input_scale") else (experts, *shape)
+            for name, shape in linear_shapes(base, out_features, in_features, False, config).items()}
+
+
 def embedding_shape(config: PretrainedConfig) -> tuple[int, int]:
     """This rank's slice of the embedding table (kiln.checkpoint.sharding)."""
     tp, dims = config.mapping.tp_size, local_dims(config)
@@ -78,11 +90,9 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
         if config.quantization.kv_cache_quant_algo:
             shapes[p + "attn.kv_scale"] = (2,)
         if config.is_moe:
-            e = len(dims.experts)
             shapes[p + "moe.router.weight"] = (config.moe_num_experts, h)
-            shapes[p + "moe.gate_proj"] = (e, inter, h)
-            shapes[p + "moe.up_proj"] = (e, inter, h)
-            shapes[p + "moe.down_proj"] = (e, h, inter)
+            for name, out, inp in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
+                shapes.update(expert_shapes(f"{p}moe.{name}", len(dims.experts), out, inp, config))
         else:
             for name, out, inp in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
                 shapes.update(linear_shapes(f"{p}mlp.{name}", out, inp, config.mlp_bias, config))

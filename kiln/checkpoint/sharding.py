@@ -5,7 +5,8 @@ columns (row-parallel, summed by an all-reduce); query heads are divided, KV hea
 tp of them and otherwise replicated (rank r keeps KV head r // (tp / kv_heads)); the LM head is split by vocabulary
 rows (padded to a multiple of tp, logits all-gathered); the embedding is replicated, or split by vocabulary rows
 (embedding_sharding_dim 0) or hidden columns (1) with use_parallel_embedding. Mixtral experts are divided among
-ranks (moe_tp_mode 0, expert parallel) or each split by its intermediate size (1, tensor parallel).
+ranks (moe_tp_mode 0, expert parallel) or each split by its intermediate size (1, tensor parallel). Quantized experts
+split as dense layers do.
 Quantized layers split the same way: per-output-channel scales follow their rows; row-parallel layers split packed
 int4 columns and their groups' scales/zeros (groups may not straddle ranks) and SmoothQuant factors by input
 channel; static activation scales are whole on every rank.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import Mapping, PretrainedConfig
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,9 @@ def _quantized_problems(config: PretrainedConfig) -> list[str]:
     if tp == 1 or not (quant.quant_algo or "").startswith("W4A16"):
         return []
     unit = quant.group_size if quant.quant_algo in ("W4A16_GPTQ", "W4A16_AWQ") else 2
-    inputs = {"attention output inputs": config.num_attention_heads * config.head_dim // tp,
-              "MLP down-projection inputs": config.intermediate_size // tp}
+    inputs = {"attention output inputs": config.num_attention_heads * config.head_dim // tp}
+    if not (config.is_moe and config.moe_tp_mode == 0):          # expert parallel: experts keep their inputs whole
+        inputs["MLP down-projection inputs"] = config.intermediate_size // tp
     return [f"{what} per rank ({n}) are not a multiple of {unit} ({quant.quant_algo} with tp_size={tp})"
             for what, n in inputs.items() if n % unit]
 
@@ -111,26 +115,44 @@ def shard_weights(full: PretrainedConfig, weights: dict[str, torch.Tensor], mapp
         if name in ("norm.weight", "lm_head.weight") and not dims.last_stage:
             continue
         module, tensor = _module_and_tensor(name)
-        if module == "lm_head" and tensor != "input_scale":
+        if ".moe." in name and module in _EXPERT_PROJECTIONS:
+            out[name] = _shard_experts(t, module, tensor, config, dims)
+        elif module == "lm_head" and tensor != "input_scale":
             out[name] = _pad_rows(t, dims.vocab_padded).narrow(0, r * dims.vocab_padded // tp, dims.vocab_padded // tp)
         elif module in columns and tensor != "input_scale":
             out[name] = t.narrow(0, *columns[module])
         elif module in row_inputs:
             out[name] = _shard_row_parallel(t, tensor, tp, r)
-        elif name.endswith(("moe.gate_proj", "moe.up_proj", "moe.down_proj")):
-            t = t[dims.experts.start:dims.experts.stop]
-            if full.moe_tp_mode == 1:
-                t = t.narrow(1 if not name.endswith("down_proj") else 2, r * dims.intermediate, dims.intermediate)
-            out[name] = t
         else:                                                    # norms, router, static activation scales
             out[name] = t
     return config, {k: v.contiguous() for k, v in out.items()}
 
 
 def _module_and_tensor(name: str) -> tuple[str, str]:
-    """layers.3.attn.q_proj.weight_scale → ("q_proj", "weight_scale"); lm_head.weight → ("lm_head", "weight")."""
+    """layers.3.attn.q_proj.weight_scale → ("q_proj", "weight_scale"); lm_head.weight → ("lm_head", "weight");
+    float experts layers.3.moe.down_proj → ("down_proj", "weight")."""
     parts = name.split(".")
+    if parts[-1] in _EXPERT_PROJECTIONS:
+        return parts[-1], "weight"
     return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+
+
+def _shard_experts(t: torch.Tensor, module: str, tensor: str, config: PretrainedConfig, dims: LocalDims):
+    """A stacked expert tensor (E, out, in), or a quantized one with that leading dimension: this rank's experts
+    (expert parallel), or every expert's slice (tensor parallel: gate/up rows, down's input columns — packed int4
+    bytes and their groups' scales — as the dense layers split). A static input scale is whole on every rank."""
+    if tensor == "input_scale":
+        return t
+    t = t[dims.experts.start:dims.experts.stop]
+    if config.moe_tp_mode == 0:
+        return t
+    tp, r = config.mapping.tp_size, config.mapping.tp_rank
+    if module != "down_proj":
+        return t.narrow(1, r * dims.intermediate, dims.intermediate)
+    if t.dim() < 3 or t.shape[2] == 1:               # a per-output-channel scale (or zero point)
+        return t
+    per = t.shape[2] // tp
+    return t.narrow(2, r * per, per)
 
 
 def _shard_row_parallel(t: torch.Tensor, tensor: str, tp: int, r: int) -> torch.Tensor:

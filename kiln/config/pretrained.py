@@ -116,9 +116,17 @@ class PretrainedConfig:
                     f"{owner}.moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
         if self.rope_scaling is not None:
             self._validate_rope_scaling()
-        if self.is_moe and self.quantization.quant_algo is not None:
-            raise ValueError(f"{owner}: quantizing MoE experts ({self.quantization.quant_algo}) is not supported yet; "
-                             "a KV-cache quantization alone is")
+        if self.is_moe:
+            self._validate_moe_quantization()
+
+    def _validate_moe_quantization(self):
+        quant = self.quantization
+        experts = quant.quantizes("moe.gate_up_proj") or quant.quantizes("moe.down_proj")
+        require(not (experts and quant.quant_algo.startswith("W8A8")),
+                f"PretrainedConfig: MoE experts take W8A16, W4A16*, FP8* or no weight quantization, not "
+                f"{quant.quant_algo} (SmoothQuant; exclude_modules may leave the experts out)")
+        require(not quant.learned_rounding_steps,
+                "PretrainedConfig: learned_rounding_steps is not supported for MoE models; set it to 0")
 
     def _validate_rope_scaling(self):
         scaling = self.rope_scaling

@@ -13,7 +13,7 @@ from kiln.config import PretrainedConfig
 from kiln.kernels import (AttentionMetadata, DeferredNorm, ReferenceOps, ResidualSum, reference, rope_cos_sin,
                           select_ops)
 
-from kiln.checkpoint.layout import embedding_shape, linear_shapes
+from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
 from kiln.checkpoint.sharding import local_dims
 from kiln.distributed.comm import Comm
 
@@ -73,11 +73,7 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
         super().__init__()
         self.algo = algo
-        dtypes = {"weight": torch.uint8 if algo.startswith("W4A16") else
-                  torch.float8_e4m3fn if algo.startswith("FP8") else torch.int8}
-        for name, shape in shapes.items():
-            if name != "bias":
-                self.register_buffer(name, torch.empty(shape, dtype=dtypes.get(name, torch.float32)))
+        register_quantized(self, {name: shape for name, shape in shapes.items() if name != "bias"}, algo)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def quant_params(self) -> dict:
@@ -110,6 +106,13 @@ class QuantLinear(nn.Module):
         """Per-token FP8 activations with nothing to apply before quantizing them: the kernel that makes this
         layer's input can quantize it (quant.Fp8Rows) and save a pass."""
         return self.algo == "FP8_PER_CHANNEL_PER_TOKEN" and not {"smoother", "input_scale"} & set(self.quant_params())
+
+
+def register_quantized(module: nn.Module, shapes: dict[str, tuple], algo: str) -> None:
+    """Buffers for a quantized format's tensors: the weight in the format's dtype, scales (and the rest) float32."""
+    weight = torch.uint8 if algo.startswith("W4A16") else torch.float8_e4m3fn if algo.startswith("FP8") else torch.int8
+    for name, shape in shapes.items():
+        module.register_buffer(name, torch.empty(shape, dtype=weight if name == "weight" else torch.float32))
 
 
 def make_linear(name: str, in_features: int, out_features: int, bias: bool, config: PretrainedConfig) -> nn.Module:
@@ -174,6 +177,28 @@ class GatedMLP(nn.Module):
         return self.comm.all_reduce(self.down_proj(act))
 
 
+class QuantExperts(nn.Module):
+    """One projection of a layer's experts with quantized weights: the format's tensors (kernels/quant.py), each
+    with a leading expert dimension (a static input_scale is one for all). The fused MoE reads them as stored."""
+
+    def __init__(self, shapes: dict[str, tuple], algo: str):
+        super().__init__()
+        self.algo = algo
+        register_quantized(self, shapes, algo)
+
+    def quant_params(self) -> dict:
+        return {name: t for name, t in self._buffers.items() if t is not None}
+
+
+def make_experts(name: str, experts: int, out_features: int, in_features: int, config: PretrainedConfig):
+    """A projection of a layer's experts, (E, out, in): a float parameter, or QuantExperts where
+    config.quantization quantizes the module `name`."""
+    shapes = expert_shapes(name, experts, out_features, in_features, config)
+    if name in shapes:
+        return nn.Parameter(torch.empty(shapes[name]))
+    return QuantExperts({k[len(name) + 1:]: v for k, v in shapes.items()}, config.quantization.quant_algo)
+
+
 class MoE(nn.Module):
     """Mixture of experts over this rank's experts (or slices of every expert); partial sums are all-reduced."""
 
@@ -185,14 +210,17 @@ class MoE(nn.Module):
         dims = local_dims(config)
         e, h, i = len(dims.experts), config.hidden_size, dims.intermediate
         self.router = nn.Linear(h, config.moe_num_experts, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_proj = make_experts("moe.gate_up_proj", e, 2 * i, h, config)
+        self.down_proj = make_experts("moe.down_proj", e, h, i, config)
         self.first_expert = dims.experts.start
         self.top_k, self.renormalize = config.moe_top_k, config.moe_renorm_mode == 1
+        self.algo = config.quantization.quant_algo
 
     def forward(self, x):
-        return self.comm.all_reduce(self.ops.moe(x, self.router.weight, self.gate_up_proj, self.down_proj, self.top_k,
-                                                 self.renormalize, self.first_expert))
+        gate_up, down = (p.quant_params() if isinstance(p, QuantExperts) else p
+                         for p in (self.gate_up_proj, self.down_proj))
+        return self.comm.all_reduce(self.ops.moe(x, self.router.weight, gate_up, down, self.top_k, self.renormalize,
+                                                 self.first_expert, self.algo))
 
 
 class DecoderLayer(nn.Module):
@@ -331,7 +359,7 @@ _SHARED = ("input_scale", "smoother")   # per input channel/tensor: the same for
 
 def fuse_weights(config: PretrainedConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint layout → engine layout: q/k/v and gate/up concatenated along the output dimension (weights,
-    biases and per-output scales; input scales and smoothers are shared by the parts and kept once)."""
+    biases and per-output scales; input scales and smoothers are shared by the parts and kept once), experts' too."""
     out = {}
     parts = {"q_proj": ("qkv_proj", ["q_proj", "k_proj", "v_proj"]), "gate_proj": ("gate_up_proj", ["gate_proj", "up_proj"])}
     skip = {"k_proj", "v_proj", "up_proj"}
@@ -345,7 +373,8 @@ def fuse_weights(config: PretrainedConfig, weights: dict[str, torch.Tensor]) -> 
         elif module in parts:
             fused, members = parts[module]
             pieces = [weights[f"{head}.{m}.{suffix}"] for m in members]
-            out[f"{head}.{fused}.{suffix}"] = pieces[0] if suffix in _SHARED else torch.cat(pieces, dim=0)
+            stacked = head.endswith(".moe")                  # experts (E, out, in): their rows are dimension 1
+            out[f"{head}.{fused}.{suffix}"] = pieces[0] if suffix in _SHARED else torch.cat(pieces, dim=int(stacked))
         else:
             out[name] = tensor
     return out

@@ -20,9 +20,11 @@ from kiln.config import QuantConfig
 from kiln.config.quant import GROUP_ALGOS
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant
 from kiln.models.base import PretrainedModel
+from kiln.models.llama import MoE
 
 from kiln.utils.steps import progress
 
+from .experts import PROJECTIONS as EXPERT_PROJECTIONS, input_peaks
 from .sequential import ALGOS as SEQUENTIAL_ALGOS, quantize_layers
 
 CALIBRATION_SEQ_LEN = 256
@@ -66,15 +68,25 @@ def calibrate(model: PretrainedModel, sequences: list[list[int]], quiet: bool = 
     net = model.network_class.load(float_config, model.engine_weights(), max_len, device, ops=ReferenceOps())
     inputs: dict[str, torch.Tensor] = {}
 
+    def keep(name, peak):
+        inputs[name] = torch.maximum(inputs[name], peak) if name in inputs else peak
+
     def record(name):
         def hook(_module, args):
-            peak = args[0].detach().float().abs().amax(dim=0)
-            inputs[name] = torch.maximum(inputs[name], peak) if name in inputs else peak
+            keep(name, args[0].detach().float().abs().amax(dim=0))
+        return hook
+
+    def record_experts(name):                   # layers.3.moe → layers.3.moe.gate_up_proj, layers.3.moe.down_proj
+        def hook(module, args):
+            for projection, peak in input_peaks(module, args[0].detach()).items():
+                keep(f"{name}.{projection.removeprefix('moe.')}", peak)
         return hook
 
     for name, module in net.named_modules():
         if type(module).__name__ == "Linear":
             module.register_forward_pre_hook(record(name))
+        elif isinstance(module, MoE):
+            module.register_forward_pre_hook(record_experts(name))
     c = float_config
     blocks = -(-max_len // 16)
     caches = [torch.zeros((2, blocks, 16, c.num_key_value_heads, c.head_dim), dtype=getattr(torch, c.dtype),
@@ -138,6 +150,9 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
                     weights[part + ".input_scale"] = _input_scale(stats.inputs[fused], FP8_MAX)
         elif quant_config.quantizes(fused):
             _quantize_group(weights, quant_config, algo, fused, parts, norm, stats)
+    for fused, parts in _expert_groups(config):
+        if quant_config.quantizes(fused):
+            _quantize_experts(weights, quant_config, fused, parts, layered.get(fused), stats)
     if quant_config.kv_cache_quant_algo:
         limit = INT8_MAX if quant_config.kv_cache_quant_algo == "INT8" else FP8_MAX
         for i, (k, v) in enumerate(kv):
@@ -145,14 +160,42 @@ def quantize_model(model: PretrainedModel, quant_config: QuantConfig, calib_size
     return type(model)(config, weights, model.tokenizer_files, source="quantized model")
 
 
-def _store_rows(weights, parts: list[str], tensors: dict[str, torch.Tensor]) -> None:
-    """A fused module's quantized tensors (one row per output), split by rows into its checkpoint parts; int4
-    levels packed two to a byte."""
-    sizes = [weights[p + ".weight"].shape[0] for p in parts]
+def _expert_groups(config) -> list[tuple[str, list[str]]]:
+    """(engine expert projection, its checkpoint parts) of every MoE layer."""
+    if not config.is_moe:
+        return []
+    parts = {"moe.gate_up_proj": ["moe.gate_proj", "moe.up_proj"], "moe.down_proj": ["moe.down_proj"]}
+    return [(f"layers.{i}.{name}", [f"layers.{i}.{part}" for part in parts[name]])
+            for i in range(config.num_hidden_layers) for name in EXPERT_PROJECTIONS]
+
+
+def _store_rows(weights, parts: list[str], tensors: dict[str, torch.Tensor], sizes: list[int] | None = None,
+                dim: int = 0) -> None:
+    """A fused module's quantized tensors (one row per output along `dim`), split by rows into its checkpoint parts
+    (of `sizes` rows; by default their weights'); int4 levels packed two to a byte."""
+    sizes = sizes or [weights[p + ".weight"].shape[0] for p in parts]
     for name, tensor in tensors.items():
-        for part, rows in zip(parts, tensor.split(sizes)):
+        for part, rows in zip(parts, tensor.split(sizes, dim=dim)):
             rows = rows.contiguous()
-            weights[f"{part}.{name}"] = quant.pack_int4(rows) if rows.dtype == torch.uint8 else rows
+            if rows.dtype == torch.uint8:
+                rows = quant.pack_int4(rows.flatten(0, -2)).view(*rows.shape[:-1], -1)
+            weights[f"{part}.{name}"] = rows
+
+
+def _quantize_experts(weights, quant_config: QuantConfig, fused: str, parts: list[str], calibrated: dict | None,
+                      stats: CalibrationStats | None) -> None:
+    """An MoE layer's stacked experts (checkpoint layout, (E, out, in) per part) replaced by their quantized tensors,
+    each with a leading expert dimension: the layer-by-layer results where there are some, else each expert's
+    matrices rounded to nearest; with static activations one input scale for all experts."""
+    if calibrated is not None:
+        _store_rows(weights, parts, calibrated, [weights[p].shape[1] for p in parts], dim=1)
+    for part in parts:
+        stacked = weights.pop(part)
+        if calibrated is None:
+            per_expert = [_quantize_matrix(part, w.float(), quant_config.quant_algo, quant_config) for w in stacked]
+            weights.update({name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]})
+        if quant_config.static_activations:
+            weights[part + ".input_scale"] = _input_scale(stats.inputs[fused], FP8_MAX)
 
 
 def _input_scale(x_max: torch.Tensor, limit: float) -> torch.Tensor:

@@ -7,9 +7,12 @@ modules get a clipping search for their group grids, then their levels by round 
 grid refitted to the levels by least squares (refit.py) and the levels rounded again on it, and with
 `learned_rounding_steps` the whole layer's roundings re-chosen toward the float network's outputs (tune.py); int8
 (W8A16) and FP8 weights (per channel, scale from the row's largest magnitude) are rounded by GPTQ. The layer's
-weights are replaced by their quantized values before its outputs feed the next layer.
+weights are replaced by their quantized values before its outputs feed the next layer. An MoE layer's experts are
+quantized the same way one at a time, each on the tokens the router sends it (experts.py, _quantize_experts).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +22,7 @@ from kiln.models.base import PretrainedModel
 from kiln.utils.steps import progress
 
 from .awq import fake_quantize, search_clip, search_scales, tie_heads
+from .experts import PROJECTIONS as EXPERT_PROJECTIONS, ExpertInputs, hessian, routed_inputs
 from .gptq import gptq_fp8, gptq_int4, gptq_int8
 from .layerwise import LayerRunner
 from .refit import refit_grid
@@ -35,12 +39,15 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
     one row per output}, {engine name: float weight that AWQ changed (norms, biases)}, per layer the largest
     |key| and |value| the quantized layer caches)."""
     runner = LayerRunner(model, sequences)
-    names = [n for n in LINEARS if quant_config.quantizes(n)]
+    names = [n for n in (LINEARS[:2] if model.config.is_moe else LINEARS) if quant_config.quantizes(n)]
+    experts = model.config.is_moe and any(quant_config.quantizes(n) for n in EXPERT_PROJECTIONS)
     steps = quant_config.learned_rounding_steps
     float_stream = runner.stream() if steps else None      # the float network's own residual stream
     results, changed, kv = {}, {}, []
     for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
-        stats = _statistics(runner.capture(layer, names))
+        inputs = runner.capture(layer, names + (["moe"] if experts else []))
+        moe_inputs = inputs.pop("moe", None)
+        stats = _statistics(inputs)
         if steps:
             with torch.no_grad():
                 float_stream = runner.forward(layer, float_stream)
@@ -53,6 +60,9 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
             tensors, grids[name] = _quantize_linear(layer.get_submodule(name), stats[name][0], quant_config,
                                                     _clip_rows(name, model.config), positions=bool(steps))
             results[f"layers.{index}.{name}"] = tensors
+        if experts:
+            results.update({f"layers.{index}.{name}": tensors
+                            for name, tensors in _quantize_experts(layer.moe, moe_inputs, quant_config).items()})
         if steps:
             _learn_rounding(runner, layer, grids, float_stream, steps, int(index), results, f"layers.{index}.")
         runner.advance(layer)
@@ -140,9 +150,8 @@ def _apply_awq(layer, stats: dict, config, quant_config: QuantConfig) -> None:
     """Search and fold AWQ scales for each quantized module of the layer; `stats` follow (X → X / s)."""
     group, zero_point = quant_config.group_size, quant_config.has_zero_point
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    qkv, gate_up = layer.attn.qkv_proj, layer.mlp.gate_up_proj
+    qkv = layer.attn.qkv_proj
     v_rows = slice((heads + kv_heads) * head_dim, None)
-    up_rows = slice(gate_up.weight.shape[0] // 2, None)
     repeats = heads // kv_heads
     per_kv_head = lambda s: s.view(kv_heads, repeats, head_dim)[:, 0].reshape(-1)      # noqa: E731
 
@@ -151,9 +160,12 @@ def _apply_awq(layer, stats: dict, config, quant_config: QuantConfig) -> None:
 
     absorbers = {"attn.qkv_proj": (into_norm(layer.input_norm), None),
                  "attn.o_proj": (lambda s: _scale_rows(qkv, v_rows, per_kv_head(s)),
-                                 lambda x: tie_heads(x, repeats, head_dim)),
-                 "mlp.gate_up_proj": (into_norm(layer.post_attn_norm), None),
-                 "mlp.down_proj": (lambda s: _scale_rows(gate_up, up_rows, s), None)}
+                                 lambda x: tie_heads(x, repeats, head_dim))}
+    if hasattr(layer, "mlp"):                              # an MoE layer's experts: _fold_expert_awq
+        gate_up = layer.mlp.gate_up_proj
+        up_rows = slice(gate_up.weight.shape[0] // 2, None)
+        absorbers.update({"mlp.gate_up_proj": (into_norm(layer.post_attn_norm), None),
+                          "mlp.down_proj": (lambda s: _scale_rows(gate_up, up_rows, s), None)})
     for name, (absorb, tie) in absorbers.items():
         if name not in stats:
             continue
@@ -164,3 +176,48 @@ def _apply_awq(layer, stats: dict, config, quant_config: QuantConfig) -> None:
         _assign(module.weight, w * s)
         absorb(s)
         stats[name] = (h / s[:, None] / s[None, :], x_mean / s)
+
+
+@dataclass
+class ExpertMatrix:
+    """One expert's (out, in) matrix, read and replaced by _quantize_linear as a module's weight."""
+    weight: torch.Tensor
+
+
+def _quantize_experts(moe, x: torch.Tensor, quant_config: QuantConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """{projection: its tensors stacked over experts} of an MoE layer whose experts are quantized one at a time as
+    dense layers are, each on the calibration tokens x that the float router sends it (experts.py); W4A16_AWQ first
+    folds each expert's down-projection scales into its up rows. The float experts take their quantized values."""
+    inputs = routed_inputs(moe, x)
+    names = [n for n in EXPERT_PROJECTIONS if quant_config.quantizes(n)]
+    if quant_config.quant_algo == "W4A16_AWQ" and len(names) == len(EXPERT_PROJECTIONS):
+        _fold_expert_awq(moe, inputs, quant_config)
+    results = {}
+    for name in names:
+        param = getattr(moe, name.removeprefix("moe."))
+        tensors, values = [], []
+        for expert, seen in enumerate(inputs):
+            matrix = ExpertMatrix(param[expert].detach().float())
+            tensors.append(_quantize_linear(matrix, hessian(seen.of(name)), quant_config, None)[0])
+            values.append(matrix.weight)
+        _assign(param, torch.stack(values))
+        results[name] = {key: torch.stack([t[key] for t in tensors]) for key in tensors[0]}
+    return results
+
+
+def _fold_expert_awq(moe, inputs: list[ExpertInputs], quant_config: QuantConfig) -> None:
+    """AWQ scales for each expert's down projection (searched on its own tokens), absorbed by its up rows as a
+    dense MLP's are; the gate/up inputs also feed the router and every expert, and keep their scale."""
+    group, zero_point = quant_config.group_size, quant_config.has_zero_point
+    gate_up, down = moe.gate_up_proj.detach().float().clone(), moe.down_proj.detach().float().clone()
+    inter = down.shape[2]
+    for expert, seen in enumerate(inputs):
+        if seen.act.shape[0] == 0:
+            continue
+        s = search_scales(down[expert], hessian(seen.act), seen.act.abs().mean(dim=0),
+                          lambda m: fake_quantize(m, group, zero_point), group)
+        down[expert] *= s
+        gate_up[expert, inter:] /= s[:, None]
+        seen.act = seen.act / s
+    _assign(moe.down_proj, down)
+    _assign(moe.gate_up_proj, gate_up)

@@ -1,0 +1,412 @@
+"""Mixture-of-experts layers: quantized experts end to end on the CPU (convert → checkpoint → build → generate, against
+the float model their dequantized weights make, TP=2 against TP=1), and the GPU's fused MoE kernels
+(kernels/fused_moe.py) under Triton's interpreter against a float64 reference — in a process of their own, since
+TRITON_INTERPRET must be set before Triton is imported (tests/test_gpu_moe.py runs them compiled)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import LLM, BuildConfig, SamplingConfig, build
+from kiln.config import Mapping, ParallelConfig, PretrainedConfig, QuantConfig
+from kiln.kernels import AttentionMetadata, ReferenceOps, quant, reference
+from kiln.models import LlamaForCausalLM
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in its own process with TRITON_INTERPRET=1")
+EXPERT_MODES = ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN"]
+WEIGHT_ONLY = [m for m in EXPERT_MODES if not m.startswith("FP8")]
+
+
+# --- helpers shared with tests/test_gpu_moe.py ------------------------------------------------------------------
+def stacked_experts(algo: str | None, w: torch.Tensor, group: int = 32, input_scale: float | None = None):
+    """w (E, out, in) as `algo` stores experts (each expert's format tensors stacked), or w itself for None."""
+    if algo is None:
+        return w
+    config = QuantConfig(algo, group_size=group)
+    from kiln.quantization import _quantize_matrix
+
+    per_expert = [_quantize_matrix("m", m.float(), algo, config) for m in w]
+    out = {name[2:]: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
+    if input_scale is not None:
+        out["input_scale"] = torch.tensor([input_scale], device=w.device)
+    return out
+
+
+def oracle_moe(x, router, gate_up, down, top_k: int, renormalize: bool, algo: str | None = None,
+               first_expert: int = 0) -> torch.Tensor:
+    """float64 MoE on the matrices the stored experts stand for, rounded where the kernels round: experts chosen
+    from logits in x's dtype, gate and up rounded to x's dtype before SiLU, FP8 activations quantized (per token
+    or by the static scale) from x's dtype values."""
+    logits = F.linear(x, router)
+    _, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    weights = torch.softmax(logits.double(), dim=-1).gather(1, chosen)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    experts = (gate_up["weight"] if isinstance(gate_up, dict) else gate_up).shape[0]
+    for token in range(x.shape[0]):
+        for slot in range(top_k):
+            local = int(chosen[token, slot]) - first_expert
+            if not 0 <= local < experts:
+                continue
+            gate, up = _oracle_product(x[token:token + 1], gate_up, local, algo).to(x.dtype).chunk(2, dim=-1)
+            act = F.silu(gate.float()).to(x.dtype) * up
+            out[token] += weights[token, slot] * _oracle_product(act, down, local, algo)[0]
+    return out
+
+
+def _oracle_product(x: torch.Tensor, w, expert: int, algo: str | None) -> torch.Tensor:
+    if not isinstance(w, dict):
+        return x.double() @ w[expert].double().T
+    params = reference.expert_params(w, expert)
+    matrix = quant.dequantize_weight(algo, params).double()
+    if not algo.startswith("FP8"):
+        return x.double() @ matrix.T
+    qx, sx = quant.quantize_activations_fp8(x.float(), params.get("input_scale"))
+    return (qx.double() @ matrix.T) * sx.double()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+# --- the reference with quantized experts --------------------------------------------------------------------
+@pytest.mark.parametrize("algo", EXPERT_MODES)
+def test_reference_moe_on_quantized_experts(algo):
+    """reference.moe on stacked quantized experts is each expert's quant_linear; weight-only modes equal the float
+    loop on the dequantized matrices, and every mode stays near the float experts it quantized."""
+    g = torch.Generator().manual_seed(0)
+    x, router = torch.randn(9, 64, generator=g), torch.randn(4, 64, generator=g)
+    gate_up, down = torch.randn(4, 192, 64, generator=g) * 0.1, torch.randn(4, 64, 96, generator=g) * 0.1
+    statics = (float(x.abs().max()) / quant.FP8_MAX, 5.0 / quant.FP8_MAX) if algo == "FP8" else (None, None)
+    q_gate_up, q_down = stacked_experts(algo, gate_up, input_scale=statics[0]), stacked_experts(algo, down,
+                                                                                              input_scale=statics[1])
+    out = reference.moe(x, router, q_gate_up, q_down, 2, True, algo=algo)
+    assert rel_err(out, oracle_moe(x, router, q_gate_up, q_down, 2, True, algo)) < 1e-5
+    assert rel_err(out, reference.moe(x, router, gate_up, down, 2, True)) < (0.3 if "W4A16" in algo else 0.1)
+    if algo in WEIGHT_ONLY:
+        deq = [torch.stack([quant.dequantize_weight(algo, reference.expert_params(p, e)) for e in range(4)])
+               for p in (q_gate_up, q_down)]
+        assert torch.allclose(out, reference.moe(x, router, *deq, 2, True), atol=1e-6)
+
+
+# --- quantized Mixtral end to end ------------------------------------------------------------------------------
+def _dequantized(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The float model whose weights are the matrices `model`'s quantized tensors stand for (experts stacked)."""
+    algo, weights = model.config.quantization.quant_algo, dict(model.weights)
+    for name in [n for n in weights if n.endswith(".weight_scale")]:
+        base = name.removesuffix(".weight_scale")
+        params = {key: weights.pop(f"{base}.{key}") for key in ("weight", "weight_scale", "weight_zero", "input_scale")
+                  if f"{base}.{key}" in weights}
+        if ".moe." in base:
+            experts = params["weight"].shape[0]
+            weights[base] = torch.stack([quant.dequantize_weight(algo, reference.expert_params(params, e))
+                                         for e in range(experts)])
+        else:
+            weights[base + ".weight"] = quant.dequantize_weight(algo, params)
+    config = dataclasses.replace(model.config, quantization=QuantConfig())
+    return LlamaForCausalLM(config, weights, model.tokenizer_files, source="dequantized")
+
+
+BUILD = BuildConfig(max_batch_size=2, max_input_len=64, max_seq_len=128, gather_context_logits=True)
+PROMPTS = [list(range(5, 45)), list(range(100, 109))]
+
+
+def _generate(model, parallel: ParallelConfig | None = None):
+    with LLM(model, build_config=BUILD, quiet=True, parallel_config=parallel) as llm:
+        return llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
+
+
+@pytest.fixture
+def reference_cpu_ops(monkeypatch):
+    """The CPU on the exact reference products (CpuOps computes int8/int4 layers in bf16)."""
+    monkeypatch.setenv("KILN_CPU_OPS", "reference")
+
+
+@pytest.mark.parametrize("algo", EXPERT_MODES)
+@pytest.mark.usefixtures("reference_cpu_ops")
+def test_quantized_mixtral_round_trip(tiny_models, tmp_path, algo):
+    """Every expert mode through convert → checkpoint → build → generate: the checkpoint's tensors come back
+    exactly, logits stay within the mode's tolerance of transformers' float model, and weight-only modes give the
+    greedy tokens (and logits) of the float model made of their dequantized weights."""
+    hf_dir, hf_model = tiny_models["mixtral"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(algo, group_size=32), calib_size=2,
+                                               quiet=True)
+    assert model.weights["layers.0.moe.gate_proj.weight"].shape[:2] == (4, 128)
+    model.save_checkpoint(tmp_path / "ckpt")
+    reloaded = LlamaForCausalLM.from_checkpoint(tmp_path / "ckpt")
+    for name, tensor in model.weights.items():
+        assert torch.equal(reloaded.weights[name], tensor), name
+    build(reloaded, BUILD, quiet=True).save(tmp_path / "engine")
+    with LLM(tmp_path / "engine", quiet=True) as llm:
+        outputs = llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([PROMPTS[0]])).logits[0]
+    assert rel_err(outputs[0].context_logits, ref) < (0.35 if algo.startswith("W4A16") else 0.1)
+    if algo in WEIGHT_ONLY:
+        for out, deq in zip(outputs, _generate(_dequantized(model))):
+            assert out.token_ids == deq.token_ids
+            assert rel_err(out.context_logits, deq.context_logits) < 1e-5
+
+
+def test_moe_quantization_refusals(tiny_models):
+    hf_dir, _ = tiny_models["mixtral"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    with pytest.raises(ValueError, match="MoE experts take W8A16, W4A16\\*, FP8\\* .* not W8A8_SQ_PER_CHANNEL"):
+        dataclasses.replace(model.config, quantization=QuantConfig("W8A8_SQ_PER_CHANNEL"))
+    with pytest.raises(ValueError, match="learned_rounding_steps is not supported for MoE models"):
+        dataclasses.replace(model.config, quantization=QuantConfig("W4A16_AWQ", learned_rounding_steps=2))
+    excluded = QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", exclude_modules=["lm_head", "gate_up_proj", "down_proj"])
+    assert isinstance(dataclasses.replace(model.config, quantization=excluded), PretrainedConfig)
+    pytest.importorskip("triton")
+    from kiln.kernels.fused_moe import expert_weights
+    with pytest.raises(ValueError, match="MoE experts run float, W8A16, W4A16\\* or FP8\\* weights"):
+        expert_weights({"weight": torch.zeros(2, 4, 8), "weight_scale": torch.ones(2, 4)}, "W8A8_SQ_PER_CHANNEL")
+
+
+def _quantized_mixtral(tiny_models, algo: str, tp_mode: int) -> LlamaForCausalLM:
+    """The tiny Mixtral's weights rounded to nearest in `algo` (groups of 32), its experts split by `tp_mode`."""
+    from kiln.quantization import quantize_model
+
+    hf_dir, _ = tiny_models["mixtral"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    model = LlamaForCausalLM(dataclasses.replace(model.config, moe_tp_mode=tp_mode), model.weights,
+                             model.tokenizer_files)
+    return quantize_model(model, QuantConfig(algo, group_size=32), calib_size=2, quiet=True, round_to_nearest=True)
+
+
+@pytest.mark.parametrize("tp_mode", [0, 1])
+def test_quantized_experts_shard_by_expert_or_by_slice(tiny_models, tp_mode):
+    """Two ranks' shards of W4A16_AWQ experts put back together are the whole: experts split between ranks (mode
+    0), or gate/up rows and down's packed input columns with their groups' scales and zeros (mode 1)."""
+    model = _quantized_mixtral(tiny_models, "W4A16_AWQ", tp_mode)
+    shards = [model.shard(Mapping(2, r, 2, 1)).weights for r in range(2)]
+    for name, tensor in model.weights.items():
+        if ".moe." in name and "router" not in name:
+            dim = 0 if tp_mode == 0 else 2 if "down_proj" in name else 1
+            assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8"])
+@pytest.mark.parametrize("tp_mode", [0, 1])
+@pytest.mark.usefixtures("reference_cpu_ops")
+def test_quantized_experts_tp2_equal_tp1(tiny_models, algo, tp_mode):
+    """Quantized experts on two ranks (gloo): expert parallel or tensor parallel gives TP=1's greedy tokens and
+    logits (float32 reference products on both). FP8 activations now and then round the float32 difference that the
+    ranks' summation order makes into another e4m3 level (a 40-token prompt: 8e-3 with qkv, o and the experts in
+    FP8, 2e-7 with any two of them)."""
+    model = _quantized_mixtral(tiny_models, algo, tp_mode)
+    for out, ref in zip(_generate(model, ParallelConfig(tp_size=2)), _generate(model)):
+        assert out.token_ids == ref.token_ids
+        assert rel_err(out.context_logits, ref.context_logits) < (2e-2 if algo.startswith("FP8") else 1e-5)
+
+
+# --- the fused kernels under the interpreter ---------------------------------------------------------------------
+def _interpreted(keyword: str) -> None:
+    """The tests named by `keyword` in a fresh process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("already interpreted")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keyword, __file__],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_interpreted_kernels_in_a_process_of_their_own():
+    _interpreted("interpreted and not in_a_model")
+
+
+@pytest.mark.slow
+def test_interpreted_model_in_a_process_of_its_own():
+    _interpreted("interpreted_fused_moe_in_a_model")
+
+
+def _e4m3_as_the_gpu_rounds() -> None:
+    """Triton 3.6's interpreter rounds float32 → e4m3 without carrying into the exponent (125.9 becomes 64, not
+    128) and without saturating; the GPU's cvt.rn.satfinite rounds to nearest even and clamps to ±448. Conversions
+    to and from e4m3 go through torch's, clamped first."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    torch_dtypes = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                    tl.float8e4nv: torch.float8_e4m3fn}
+    as_bits = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
+    convert = interpreter._convert_float
+
+    def converted(data, src, dst, rounding_mode):
+        if tl.float8e4nv not in (src, dst) or {src, dst} - set(torch_dtypes):
+            return convert(data, src, dst, rounding_mode)
+        raw = np.ascontiguousarray(data).view(f"u{src.primitive_bitwidth // 8}").astype(np.int64)
+        values = torch.from_numpy(raw).to(as_bits[src.primitive_bitwidth]).view(torch_dtypes[src]).float()
+        if dst == tl.float8e4nv:
+            values = values.clamp(-quant.FP8_MAX, quant.FP8_MAX)
+        out = values.to(torch_dtypes[dst]).view(as_bits[dst.primitive_bitwidth]).numpy()
+        return out.view(f"u{dst.primitive_bitwidth // 8}")
+
+    interpreter._convert_float = converted
+
+
+if INTERPRETED:
+    _e4m3_as_the_gpu_rounds()
+
+# (algo, input scales of gate/up and down: None per token, or static) — every expert format
+KERNEL_FORMATS = [(None, None), ("W8A16", None), ("W4A16", None), ("W4A16_GPTQ", None), ("W4A16_AWQ", None),
+                  ("FP8_PER_CHANNEL_PER_TOKEN", None), ("FP8", (4.0 / quant.FP8_MAX, 8.0 / quant.FP8_MAX))]
+# the interpreter's bfloat16 arithmetic works on the raw bits: bfloat16 runs compiled only (test_gpu_moe.py)
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def moe_case(algo, statics, t: int, experts: int, h: int, inter: int, dtype, routing: str = "random",
+             device="cpu", seed: int = 0):
+    """(x, router, gate_up, down) of a random MoE layer in `algo`'s format. routing 'one': every token's first
+    choice is expert 0 and its second expert 1, the other experts get none."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(t, h, generator=g, device=device)
+    router = torch.randn(experts, h, generator=g, device=device)
+    if routing == "one":
+        x = x.abs() + 0.1
+        router = torch.full((experts, h), -1.0, device=device)
+        router[0], router[1] = 2.0, 1.0
+    gate_up = torch.randn(experts, 2 * inter, h, generator=g, device=device) / h ** 0.5
+    down = torch.randn(experts, h, inter, generator=g, device=device) / inter ** 0.5
+    gate_scale, down_scale = statics or (None, None)
+    return (x.to(dtype), router.to(dtype), stacked_experts(algo, gate_up.to(dtype), input_scale=gate_scale),
+            stacked_experts(algo, down.to(dtype), input_scale=down_scale))
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo, statics", KERNEL_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_fused_moe_matches_float64(algo, statics, dtype):
+    """One token, more tokens than a block (not a multiple), all to one expert (the others none), and a rank
+    holding experts 2-3 of 4 (expert parallel: the other entries add nothing); 96-column down inputs: no whole
+    number of steps, three int4 groups of 32."""
+    from kiln.kernels.fused_moe import fused_moe
+
+    for t, routing, first, seed in ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5)):
+        x, router, gate_up, down = moe_case(algo, statics, t, 4, 64, 96, dtype, routing, seed=seed)
+        if first:
+            gate_up, down = (_expert_slice(w, first, 2) for w in (gate_up, down))
+        out = fused_moe(x, router, gate_up, down, 2, True, first, algo)
+        ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
+        assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype], (t, routing, first, rel_err(out, ref))
+
+
+def _expert_slice(w, first: int, count: int):
+    if not isinstance(w, dict):
+        return w[first:first + count]
+    return {k: v if k == "input_scale" else v[first:first + count] for k, v in w.items()}
+
+
+@interpreted_only
+def test_interpreted_routing_without_renormalisation_and_top_1():
+    from kiln.kernels.fused_moe import fused_moe
+
+    x, router, gate_up, down = moe_case(None, None, 11, 8, 32, 64, torch.float32, seed=7)
+    for top_k, renormalize in ((2, False), (1, True), (3, False)):
+        out = fused_moe(x, router, gate_up, down, top_k, renormalize)
+        assert rel_err(out, oracle_moe(x, router, gate_up, down, top_k, renormalize)) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
+@pytest.mark.parametrize("t, block_m, first, local", [(1, 16, 0, 4), (37, 16, 0, 8), (300, 64, 3, 2), (9, 32, 0, 8)])
+def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
+    """Every local entry appears once, in its expert's segment (entries in order), segments start on block
+    boundaries in expert order, padding holds T·k, blocks past the last segment have expert -1."""
+    from kiln.kernels.fused_moe import align, route
+
+    top_k = 2
+    logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t))
+    ids, _ = route(logits, top_k, True)
+    sorted_ids, block_expert = align(ids, block_m, first, local)
+    entries = t * top_k
+    assert sorted_ids.numel() >= entries + min(entries, local) * (block_m - 1)
+    expected_blocks = []
+    for e in range(local):
+        mine = [i for i in range(entries) if int(ids.view(-1)[i]) == first + e]
+        expected_blocks += [e] * -(-len(mine) // block_m)
+        segment = [b * block_m for b, expert in enumerate(block_expert.tolist()) if expert == e]
+        slots = sorted_ids[segment[0]:segment[0] + len(segment) * block_m].tolist() if segment else []
+        assert slots[:len(mine)] == mine and all(s == entries for s in slots[len(mine):])
+    used = len(expected_blocks)
+    assert block_expert.tolist() == expected_blocks + [-1] * (block_expert.numel() - used)
+
+
+@interpreted_only
+def test_interpreted_route_matches_torch_topk():
+    from kiln.kernels.fused_moe import route
+
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)).half()
+    ids, weights = route(logits, 2, True)
+    ref_weights, ref_ids = reference.route(logits.float(), torch.eye(8), 2, True)
+    assert torch.equal(ids.long(), ref_ids) and torch.allclose(weights, ref_weights, atol=1e-6)
+
+
+class FusedMoeOps(ReferenceOps):
+    """The reference kernels with the MoE layer fused (the GPU's kernels, here interpreted)."""
+
+    @staticmethod
+    def moe(x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
+        from kiln.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo)
+
+
+def greedy_tokens(model: LlamaForCausalLM, ops, prompts: list[list[int]], new_tokens: int,
+                  device="cpu") -> list[list[int]]:
+    """Greedy continuations of `prompts`, batched, through the network with `ops` (prefill, then one-token steps
+    over a paged cache of 16-token blocks)."""
+    config, block = model.config, 16
+    per_seq = -(-(max(map(len, prompts)) + new_tokens) // block)
+    net = model.network_class.load(config, model.engine_weights(), per_seq * block, device, ops=ops)
+    tables = torch.arange(len(prompts) * per_seq, device=device).view(len(prompts), per_seq)
+    caches = [torch.zeros((2, tables.numel(), block, config.num_key_value_heads, config.head_dim),
+                          dtype=getattr(torch, config.dtype), device=device) for _ in range(config.num_hidden_layers)]
+    seqs, cached = [list(p) for p in prompts], [0] * len(prompts)
+    t = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    for _ in range(new_tokens):
+        ids, positions, slots, starts = [], [], [], [0]
+        for b, seq in enumerate(seqs):
+            span = range(cached[b], len(seq))
+            ids += seq[cached[b]:]
+            positions += span
+            slots += [int(tables[b, i // block]) * block + i % block for i in span]
+            starts.append(starts[-1] + len(span))
+        lens = [len(s) for s in seqs]
+        meta = AttentionMetadata(t(slots), t(starts), t(lens), tables, max(b - a for a, b in zip(starts, starts[1:])),
+                                 max(lens), block)
+        with torch.inference_mode():
+            logits = net.compute_logits(net(t(ids), t(positions), meta, caches)[t(starts[1:]) - 1])
+        for b, seq in enumerate(seqs):
+            cached[b] = len(seq)
+            seq.append(int(logits[b].argmax()))
+    return [seq[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("algo", [None, *EXPERT_MODES])
+def test_interpreted_fused_moe_in_a_model_gives_the_reference_tokens(tiny_models, algo):
+    """A tiny Mixtral (float32) with its experts in each mode: the fused MoE (prefill, then decode steps of two
+    sequences) gives the greedy tokens of the reference loop."""
+    from kiln.quantization import quantize_model
+
+    hf_dir, _ = tiny_models["mixtral"]
+    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
+    if algo is not None:
+        model = quantize_model(model, QuantConfig(algo, group_size=32), calib_size=2, quiet=True,
+                               round_to_nearest=algo != "FP8")
+    prompts = [list(range(20, 39)), list(range(60, 64))]
+    assert greedy_tokens(model, FusedMoeOps(), prompts, 4) == greedy_tokens(model, ReferenceOps(), prompts, 4)
