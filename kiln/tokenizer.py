@@ -1,6 +1,7 @@
 """Tokenizer files travel with checkpoints and engines; transformers turns them into a tokenizer."""
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -34,24 +35,43 @@ def tokenizer_files_from_gguf(gguf_path: str | Path, has_tokenizer: bool = True)
 
 
 def load_tokenizer(files: dict[str, bytes]):
-    """A transformers tokenizer from in-memory tokenizer files; None when there are none."""
+    """A transformers tokenizer from in-memory tokenizer files; None when there are none. Missing, truncated or
+    corrupt files are a ValueError naming the file."""
     if not any(name.startswith("tokenizer") for name in files):
         return None
+    for name in files:
+        if name.endswith(".json"):
+            _json_file(files, name)
+    if not any(name in files for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"tokenizer.json is missing: {', '.join(sorted(files))} alone do not make a tokenizer")
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(files, tmp)
-        return AutoTokenizer.from_pretrained(tmp)
+        try:
+            return AutoTokenizer.from_pretrained(tmp)
+        except Exception as err:  # transformers and tokenizers raise many types for damaged files
+            raise ValueError(f"cannot make a tokenizer of {', '.join(sorted(files))}: {err}") from None
 
 
 def eos_token_ids(tokenizer, files: dict[str, bytes]) -> list[int]:
     """End-of-sequence ids: generation_config.json's list when present, else the tokenizer's eos."""
-    import json
-
     ids = []
     if "generation_config.json" in files:
-        eos = json.loads(files["generation_config.json"]).get("eos_token_id")
+        eos = _json_file(files, "generation_config.json").get("eos_token_id")
         ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"generation_config.json: eos_token_id {eos!r} is not a token id or a list of them")
     if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]
     return ids
+
+
+def _json_file(files: dict[str, bytes], name: str) -> dict:
+    try:
+        data = json.loads(files[name])
+    except ValueError as err:
+        raise ValueError(f"{name} is corrupt or truncated ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} is corrupt: not a JSON object")
+    return data

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kiln.config import PretrainedConfig
+
+from .layout import check_finite
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -53,10 +58,110 @@ def _reader(path: Path):
 def _cached_reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
+    check_gguf_sizes(Path(path))
     try:
         return GGUFReader(path)
     except Exception as err:  # the reader raises ValueError/struct errors/IndexError on damaged files
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({err})") from None
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUFValueType → size
+_STRING, _ARRAY = 8, 9
+_LEAST_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}     # the smallest encoding of one value of a type
+
+
+def check_gguf_sizes(path: Path) -> None:
+    """Walk a GGUF file's header, checking every count and length against the file's real size before the gguf
+    reader allocates by them: a 60-byte file declaring a 2^40-item array fails here at once, naming the field."""
+    size = path.stat().st_size
+    if size < 24:
+        raise ValueError(f"{path}: corrupt or truncated GGUF file ({size} bytes, shorter than its header)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = _Header(data, path)
+        tensor_count, kv_count = header.unpack("Q", "tensor count"), header.unpack("Q", "metadata count")
+        header.require(kv_count * 13, f"{kv_count} metadata entries")
+        alignment = 32
+        for _ in range(kv_count):
+            key = header.string("metadata key")
+            value_type = header.unpack("I", key)
+            if key == "general.alignment" and value_type == 4:
+                alignment = struct.unpack_from(header.order + "I", data, header.pos)[0] or 1
+            header.skip_value(value_type, key)
+        header.require(tensor_count * 24, f"{tensor_count} tensors")
+        tensors = [header.tensor_info() for _ in range(tensor_count)]
+        data_start = -(-header.pos // alignment) * alignment
+        for name, dims, tensor_type, offset in tensors:
+            _check_tensor_data(path, size, name, dims, tensor_type, data_start + offset)
+
+
+class _Header:
+    """Reads a GGUF header from the start, refusing to read past the end of the file."""
+
+    def __init__(self, data, path: Path):
+        if bytes(data[:4]) != b"GGUF":
+            raise ValueError(f"{path}: corrupt or truncated GGUF file (no GGUF magic)")
+        self.order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"   # byte-swapped files
+        self.data, self.path, self.pos = data, path, 8      # after the magic and the version
+
+    def require(self, n: int, what: str) -> None:
+        left = len(self.data) - self.pos
+        if n > left:
+            raise ValueError(f"{self.path}: corrupt GGUF file: {what}: at least {n} bytes from offset {self.pos}, "
+                             f"but the {len(self.data)}-byte file has {left} left")
+
+    def take(self, n: int, what: str) -> int:
+        self.require(n, what)
+        self.pos += n
+        return self.pos - n
+
+    def unpack(self, fmt: str, what: str) -> int:
+        return struct.unpack_from(self.order + fmt, self.data, self.take(struct.calcsize(fmt), repr(what)))[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("Q", what)
+        start = self.take(n, f"{what} ({n}-byte string)")
+        return bytes(self.data[start:start + n]).decode("utf-8", "replace")
+
+    def skip_value(self, value_type: int, key: str, depth: int = 0) -> None:
+        if value_type in _SCALAR_BYTES:
+            self.take(_SCALAR_BYTES[value_type], repr(key))
+        elif value_type == _STRING:
+            self.take(self.unpack("Q", key), repr(key))
+        elif value_type == _ARRAY and depth < 2:
+            item_type, count = self.unpack("I", key), self.unpack("Q", key)
+            if item_type not in _LEAST_BYTES:
+                raise ValueError(f"{self.path}: corrupt GGUF file: metadata {key!r} has items of unknown type "
+                                 f"{item_type}")
+            self.require(count * _LEAST_BYTES[item_type], f"the {count} items of metadata {key!r}")
+            if item_type in _SCALAR_BYTES:
+                self.take(count * _SCALAR_BYTES[item_type], repr(key))
+            else:
+                for _ in range(count):
+                    self.skip_value(item_type, key, depth + 1)
+        else:
+            raise ValueError(f"{self.path}: corrupt GGUF file: metadata {key!r} has unknown or too deeply nested "
+                             f"type {value_type}")
+
+    def tensor_info(self) -> tuple[str, list[int], int, int]:
+        name = self.string("tensor name")
+        n_dims = self.unpack("I", f"tensor {name}")
+        if n_dims > 4:
+            raise ValueError(f"{self.path}: corrupt GGUF file: tensor {name!r} has {n_dims} dimensions (GGUF allows 4)")
+        dims = [self.unpack("Q", f"tensor {name}") for _ in range(n_dims)]
+        return name, dims, self.unpack("I", f"tensor {name}"), self.unpack("Q", f"tensor {name}")
+
+
+def _check_tensor_data(path: Path, size: int, name: str, dims: list[int], tensor_type: int, start: int) -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
+    except (ValueError, KeyError):
+        raise ValueError(f"{path}: tensor {name!r} has unknown GGML type {tensor_type}") from None
+    n_bytes = math.prod(dims) * block_bytes // block
+    if start + n_bytes > size:
+        raise ValueError(f"{path}: corrupt or truncated GGUF file: tensor {name!r} of shape {dims} needs {n_bytes} "
+                         f"bytes at offset {start}, past the end of the {size}-byte file")
 
 
 def _field(reader, key: str, default=None):
@@ -118,6 +223,7 @@ def read_gguf_weights(path: Path, config: PretrainedConfig, progress=None) -> di
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute(tensor, config.num_key_value_heads)
         weights[name] = tensor.to(dtype)
+        check_finite(t.name, weights[name], path)
     return weights
 
 

@@ -12,6 +12,7 @@ import torch
 from kiln.config import PretrainedConfig
 from kiln.config.pretrained import check_architecture
 
+from .layout import check_finite
 from .prequantized import SUFFIXES, convert_layer, quant_config_from_hf
 
 # HF name (after removing a leading "model.") → Kiln checkpoint name.
@@ -29,6 +30,7 @@ _EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,6 +59,10 @@ def config_from_hf_dict(raw: dict, dtype: str = "auto", path: Path | str = "conf
     path = Path(path)
     architecture = (raw.get("architectures") or [None])[0]
     check_architecture(architecture)
+    moe = ("num_local_experts", "num_experts_per_tok") if architecture == "MixtralForCausalLM" else ()
+    missing = [key for key in _REQUIRED + moe if key not in raw]
+    if missing:
+        raise ValueError(f"{path}: the model config lacks {missing[0]!r}")
     if dtype == "auto":
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     rotary_base, rope_scaling = _rope(raw, path)
@@ -136,11 +142,23 @@ def iter_file_tensors(path: Path, wanted=None) -> Iterator[tuple[str, torch.Tens
         except SafetensorError as err:
             raise ValueError(f"{path}: corrupt or truncated safetensors file ({err})") from None
     else:
-        try:
-            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:  # torch raises several types for a damaged zip/pickle
-            raise ValueError(f"{path}: corrupt or truncated PyTorch weights file ({err})") from None
-        yield from ((name, tensor) for name, tensor in state.items() if wanted(name))
+        yield from ((name, tensor) for name, tensor in _torch_file_tensors(path).items() if wanted(name))
+
+
+def _torch_file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a PyTorch .bin file, never unpickling anything but tensors (weights_only): memory-mapped
+    when it is a zip archive (torch >= 1.6), read whole when it is the legacy format, which cannot be mapped."""
+    import zipfile
+
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as err:  # torch raises several types for a damaged zip/pickle
+        raise ValueError(f"{path}: corrupt or truncated PyTorch weights file, or one holding more than tensors "
+                         f"({err})") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(f"{path}: a PyTorch file that is not a state dict (a dict of tensors by name) but a "
+                         f"{type(state).__name__}; save the model's state_dict() instead")
+    return state
 
 
 def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
@@ -189,20 +207,23 @@ def convert_hf_tensors(tensors, config: PretrainedConfig, cut=None) -> dict[str,
             continue
         base, _, suffix = name.rpartition(".")
         if suffix in SUFFIXES and config.quantization.quant_algo:
+            check_finite(hf_name, tensor, path)
             packed.setdefault(_rename(base + ".weight", hf_name, path)[:-len(".weight")], {})[suffix] = tensor
             continue
+        tensor = tensor.to(dtype)
+        check_finite(hf_name, tensor, path)       # after the cast: float32 values beyond float16's range are Inf
         if m := _EXPERT.fullmatch(name):
             key = (int(m[1]), _EXPERT_NAMES[m[3]])
-            experts.setdefault(key, {})[int(m[2])] = tensor.to(dtype)
+            experts.setdefault(key, {})[int(m[2])] = tensor
             if len(experts[key]) == config.moe_num_experts:        # the layer's experts are complete: stack them
                 per_expert = experts.pop(key)
                 _keep(weights, f"layers.{key[0]}.moe.{key[1]}", torch.stack([per_expert[e] for e in sorted(per_expert)]),
                       cut)
         elif m := _FUSED_EXPERTS.fullmatch(name):
-            for kiln_name, part in _split_fused_experts(int(m[1]), m[2], tensor.to(dtype)).items():
+            for kiln_name, part in _split_fused_experts(int(m[1]), m[2], tensor).items():
                 _keep(weights, kiln_name, part, cut)
         else:
-            _keep(weights, _rename(name, hf_name, path), tensor.to(dtype), cut)
+            _keep(weights, _rename(name, hf_name, path), tensor, cut)
     for (layer, kind), per_expert in experts.items():
         _keep(weights, f"layers.{layer}.moe.{kind}", torch.stack([per_expert[e] for e in sorted(per_expert)]), cut)
     for base, layer in packed.items():

@@ -8,10 +8,16 @@ expert dimension.
 """
 from __future__ import annotations
 
+import re
+
+import torch
+
 from kiln.config import PretrainedConfig
 
 from .sharding import local_dims
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_FLOAT32 = ("weight_scale", "weight_zero", "input_scale", "smoother", "kv_scale")   # quantization parameters
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 
@@ -99,15 +105,65 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict, config: PretrainedConfig, source: str) -> None:
-    """Every expected tensor present with its shape, nothing unexpected; else a ValueError naming it."""
-    expected = checkpoint_shapes(config)
+def quantized_weight_dtype(algo: str) -> torch.dtype:
+    return torch.uint8 if algo.startswith("W4A16") else torch.float8_e4m3fn if algo.startswith("FP8") else torch.int8
+
+
+def tensor_dtypes(config: PretrainedConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.dtype]:
+    """The dtype of each tensor of `shapes`: a quantized weight its format's, quantization parameters float32,
+    every other tensor the model's dtype."""
+    dtypes = {}
+    for name in shapes:
+        base, _, suffix = name.rpartition(".")
+        if suffix in _FLOAT32:
+            dtypes[name] = torch.float32
+        elif suffix == "weight" and f"{base}.weight_scale" in shapes:
+            dtypes[name] = quantized_weight_dtype(config.quantization.quant_algo)
+        else:
+            dtypes[name] = getattr(torch, config.dtype)
+    return dtypes
+
+
+def check_layer_count(weights: dict, config: PretrainedConfig, source: str) -> None:
+    """The layers the config gives this rank are the layers the tensors hold. Checked before anything is sized by
+    num_hidden_layers, so that a config claiming millions of layers fails at once instead of filling memory."""
+    expected = local_dims(config).layers
+    found = {int(m[1]) for name in weights if (m := _LAYER.match(name))}
+    if len(found) != len(expected) or not all(i in expected for i in found):
+        held = f"layers {min(found)}..{max(found)} ({len(found)} in all)" if found else "no layers"
+        raise ValueError(f"{source}: num_hidden_layers={config.num_hidden_layers} gives this rank layers "
+                         f"{expected.start}..{expected.stop - 1}, but the weights hold {held}")
+
+
+def check_tensors(weights: dict, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str) -> None:
+    """Every expected tensor present with its (shape, dtype), nothing unexpected; else a ValueError naming it."""
     missing = [n for n in expected if n not in weights]
     if missing:
         raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     extra = [n for n in weights if n not in expected]
     if extra:
         raise ValueError(f"{source}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-    for name, shape in expected.items():
+    for name, (shape, dtype) in expected.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if weights[name].dtype != dtype:
+            raise ValueError(f"{source}: tensor {name!r} is {str(weights[name].dtype).removeprefix('torch.')}, "
+                             f"expected {str(dtype).removeprefix('torch.')}")
+
+
+def check_weights(weights: dict, config: PretrainedConfig, source: str) -> None:
+    """The checkpoint-layout tensors of `config` (this rank's), each with its shape and dtype, and nothing else."""
+    check_layer_count(weights, config, source)
+    shapes = checkpoint_shapes(config)
+    dtypes = tensor_dtypes(config, shapes)
+    check_tensors(weights, {name: (shape, dtypes[name]) for name, shape in shapes.items()}, source)
+
+
+def check_finite(name: str, tensor: torch.Tensor, source) -> None:
+    """A floating-point tensor holds no NaN or Inf (checked in slices, so that the check needs little memory)."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), 1 << 24):
+        if not torch.isfinite(flat[start:start + (1 << 24)]).all():
+            raise ValueError(f"{source}: tensor {name!r} holds NaN or Inf values (a damaged or diverged model)")

@@ -11,6 +11,9 @@ from .quant import QuantConfig
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+INTEGER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "moe_num_experts",
+                  "moe_top_k")
 
 
 def check_architecture(architecture) -> None:
@@ -84,6 +87,10 @@ class PretrainedConfig:
             self.mapping = from_dict(Mapping, self.mapping, "pretrained_config.mapping")
         if isinstance(self.quantization, dict):
             self.quantization = from_dict(QuantConfig, self.quantization, "pretrained_config.quantization")
+        for name in INTEGER_FIELDS:     # before any arithmetic on them (HF config.json values arrive unchecked)
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                    f"PretrainedConfig.{name} must be an integer, got {value!r}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
