@@ -22,6 +22,7 @@ from kiln.runtime.outputs import GenerationOutput
 from kiln.runtime.request import Request
 from kiln.runtime.sampling import DecodingMode, SamplingConfig
 from kiln.tokenizer import eos_token_ids, load_tokenizer
+from kiln.utils.fs import exists_or_recovered
 
 Prompt = Union[str, Sequence[int]]
 PROGRESS_BAR_MIN_PROMPTS = 64
@@ -36,9 +37,11 @@ def default_build_config(config: PretrainedConfig) -> BuildConfig:
 
 
 def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
-                device: torch.device | str = "cpu", parallel_config: ParallelConfig | None = None) -> Engine:
+                device: torch.device | str = "cpu", parallel_config: ParallelConfig | None = None,
+                verify: bool = True) -> Engine:
     """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file;
-    with a parallel_config of several ranks, models and checkpoints are sharded and every rank built."""
+    with a parallel_config of several ranks, models and checkpoints are sharded and every rank built. The files
+    of engines and checkpoints are verified against their checksums unless verify=False."""
     if isinstance(model, Engine):
         _check_built("the Engine given", model.pretrained_config.mapping, dtype, build_config, parallel_config)
         return model
@@ -48,14 +51,14 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
                              "give dtype when loading it")
         return _build(model, build_config, parallel_config, quiet)
     path = Path(model)
-    if not path.exists():
+    if not exists_or_recovered(path):
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir() and is_engine_dir(path):
         from kiln.builder.engine import read_manifest
 
         mapping = PretrainedConfig.from_dict(read_manifest(path)["pretrained_config"]).mapping
         _check_built(str(path), mapping, dtype, build_config, parallel_config)
-        return Engine.from_dir(path, device=device)
+        return Engine.from_dir(path, device=device, verify=verify)
     if path.is_dir() and is_checkpoint_dir(path):
         config = load_checkpoint_config(path)
         if dtype != "auto":
@@ -65,9 +68,11 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
                 raise ValueError(f"{path} is already sharded ({config.mapping.world_size} ranks): leave "
                                  "parallel_config and auto_parallel_config out")
             cls = model_class(config.architecture)
-            return build_all_ranks(lambda rank: cls.from_checkpoint(path, rank), config.mapping.world_size,
+            return build_all_ranks(lambda rank: cls.from_checkpoint(path, rank, verify), config.mapping.world_size,
                                    build_config or default_build_config(config), quiet)
-        loaded = model_class(config.architecture).from_checkpoint(path)
+        loaded = model_class(config.architecture).from_checkpoint(path, verify=verify)
+    elif not verify:
+        raise ValueError(f"skip_checksum applies to Kiln engines and checkpoints; {path} has no checksums to skip")
     else:
         loaded = model_class(read_source_config(path, dtype).architecture).from_hugging_face(path, dtype, quiet=quiet)
     return _build(loaded, build_config, parallel_config, quiet)
@@ -145,7 +150,7 @@ class LLM:
                  scheduling_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
                  device: str | torch.device | None = None, quiet: bool = False,
                  parallel_config: ParallelConfig | None = None,
-                 garbage_collection_gen0_threshold: int | None = 20000):
+                 garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False):
         """
         Args:
             model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
@@ -163,6 +168,8 @@ class LLM:
             garbage_collection_gen0_threshold: Python's generation-0 collection threshold while this LLM serves
                 (restored by shutdown; process-wide, as TensorRT-LLM's option of that name): 20000 makes the
                 collections that pause the engine loop ~28x rarer than Python's 700; None leaves it as it is.
+            skip_checksum: load an engine or Kiln checkpoint without verifying its files' checksums (faster for
+                very large engines; corruption then goes unnoticed).
         """
         if garbage_collection_gen0_threshold is not None and garbage_collection_gen0_threshold < 1:
             raise ValueError(f"garbage_collection_gen0_threshold={garbage_collection_gen0_threshold} must be >= 1 "
@@ -180,7 +187,8 @@ class LLM:
             if launched[0] > 0:
                 _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
             self.device = rank_device(self.device.type, 0)
-        self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config)
+        self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
+                                  verify=not skip_checksum)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
             raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="

@@ -1,6 +1,8 @@
-"""Engines on disk: config.json (version, configs, hash) + rank{N}.safetensors (runtime layout) + tokenizer."""
+"""Engines on disk: config.json (version, configs, hash, checksums of the other files) + rank{N}.safetensors
+(runtime layout) + tokenizer."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -13,7 +15,8 @@ import torch
 
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
-from kiln.utils.fs import atomic_dir, read_json_object, require_dir
+from kiln.utils.checksum import directory_checksums, verify_checksums
+from kiln.utils.fs import atomic_dir, check_output_dir, read_json_object, require_dir
 from kiln.version import __version__
 
 ENGINE_FORMAT = "kiln-engine"
@@ -51,15 +54,16 @@ class Engine:
         return {"kiln_format": ENGINE_FORMAT, "version": __version__, "pretrained_config": config.to_dict(),
                 "build_config": self.build_config.to_dict(), "hash": self.hash}
 
-    def save(self, engine_dir: str | Path) -> Path | None:
-        """Write the engine directory atomically (a dry-run build writes nothing and says so)."""
+    def save(self, engine_dir: str | Path, overwrite: bool = False) -> Path | None:
+        """Write the engine directory atomically (a dry-run build writes nothing and says so). An existing directory
+        is replaced only when it is empty or an engine, or with overwrite=True."""
         from safetensors.torch import save_file
 
         if self.build_config.dry_run:
             print(f"dry run: not writing {engine_dir}")
             return None
+        check_output_dir(engine_dir, ENGINE_FORMAT, overwrite)
         with atomic_dir(engine_dir) as tmp:
-            (tmp / "config.json").write_text(json.dumps(self.manifest(), indent=2) + "\n")
             for rank, weights in self.weights.items():
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
                           metadata={"kiln_engine_hash": self.hash, "rank": str(rank)})
@@ -69,11 +73,15 @@ class Engine:
             for name, data in self.kernel_cache.items():
                 (tmp / KERNEL_CACHE / name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / KERNEL_CACHE / name).write_bytes(data)
+            manifest = {**self.manifest(), "checksums": directory_checksums(tmp)}
+            (tmp / "config.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return Path(engine_dir)
 
     @classmethod
-    def from_dir(cls, engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu") -> "Engine":
-        """Load and verify an engine: format, Kiln version, config hash and weights file are all checked."""
+    def from_dir(cls, engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",
+                 verify: bool = True) -> "Engine":
+        """Load and verify an engine: format, Kiln version, config hash, the files' checksums (verify=False skips
+        them), and every tensor's name, shape and dtype against the config."""
         engine_dir = require_dir(engine_dir, "engine directory")
         manifest = read_manifest(engine_dir)
         pretrained = PretrainedConfig.from_dict(manifest["pretrained_config"])
@@ -84,15 +92,69 @@ class Engine:
         if not 0 <= rank < pretrained.mapping.world_size:
             raise ValueError(f"{engine_dir} has ranks 0..{pretrained.mapping.world_size - 1}; rank {rank} asked")
         pretrained = dataclasses.replace(pretrained, mapping=pretrained.mapping.for_rank(rank))
-        weights = _load_rank(engine_dir / f"rank{rank}.safetensors", manifest["hash"], device)
+        weights_file = engine_dir / f"rank{rank}.safetensors"
+        _check_rank_file(weights_file, manifest["hash"])
+        if verify:
+            verify_checksums(engine_dir, manifest.get("checksums"), "engine", weights_file.name)
+        with _open_rank(weights_file, device) as f:
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+        check_engine_weights(weights, pretrained, str(weights_file))
+        check_sequence_fits(pretrained, build, torch.device(device))
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
         return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir), kernel_cache=kernels,
-                   rank_loader=functools.partial(load_engine_rank, str(engine_dir)))
+                   rank_loader=functools.partial(load_engine_rank, str(engine_dir), verify=verify))
 
 
-def load_engine_rank(engine_dir: str, rank: int, device: str | torch.device) -> Engine:
-    return Engine.from_dir(engine_dir, rank=rank, device=device)
+def check_engine_weights(weights: dict[str, torch.Tensor], config: PretrainedConfig, source: str) -> None:
+    """The engine-layout tensors of `config` (one rank), each with its shape and dtype, and nothing else: the
+    checkpoint layout's, fused as the model fuses them (on the meta device: no memory)."""
+    from kiln.checkpoint.layout import check_layer_count, check_tensors, checkpoint_shapes, tensor_dtypes
+    from kiln.models import model_class
+
+    check_layer_count(weights, config, source)
+    shapes = checkpoint_shapes(config)
+    dtypes = tensor_dtypes(config, shapes)
+    meta = {name: torch.empty(shape, dtype=dtypes[name], device="meta") for name, shape in shapes.items()}
+    fused = model_class(config.architecture)(config, meta, source=source).engine_weights()
+    check_tensors(weights, {name: (tuple(t.shape), t.dtype) for name, t in fused.items()}, source)
+
+
+def check_sequence_fits(config: PretrainedConfig, build: BuildConfig, device: torch.device) -> None:
+    """One max_seq_len sequence's rotary table (float32) and KV cache (at least a byte a value) must fit the
+    device's memory: checked before the runtime allocates them, so that an absurd max_seq_len is an error naming
+    it rather than a failure inside the allocator."""
+    from kiln.checkpoint.sharding import local_dims
+
+    memory = device_memory(device)
+    dims = local_dims(config)
+    need = build.max_seq_len * config.head_dim * (4 + 2 * len(dims.layers) * dims.kv_heads)
+    if memory is not None and need > memory:
+        raise ValueError(f"BuildConfig.max_seq_len={build.max_seq_len}: one sequence of that length needs "
+                         f"{need / 2**30:.1f} GiB (rotary table and KV cache), more than the {memory / 2**30:.1f} "
+                         f"GiB of memory of {device}")
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of `device`: a GPU's total, or the host's RAM (less, under an address-space limit)."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError):
+        return memory
+    return memory if limit == resource.RLIM_INFINITY else min(memory, limit)
+
+
+def load_engine_rank(engine_dir: str, rank: int, device: str | torch.device, verify: bool = True) -> Engine:
+    return Engine.from_dir(engine_dir, rank=rank, device=device, verify=verify)
 
 
 def is_engine_dir(path: Path) -> bool:
@@ -114,15 +176,21 @@ def read_manifest(engine_dir: Path) -> dict:
     return manifest
 
 
-def _load_rank(path: Path, expected_hash: str, device) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
+def _check_rank_file(path: Path, expected_hash: str) -> None:
+    """The weights file is there, readable, and written with this engine (its metadata carries the same hash)."""
     if not path.is_file():
         raise FileNotFoundError(f"engine weights {path} are missing")
+    with _open_rank(path, "cpu") as f:
+        if (f.metadata() or {}).get("kiln_engine_hash") != expected_hash:
+            raise ValueError(f"{path} belongs to another engine (its hash differs from config.json's)")
+
+
+@contextlib.contextmanager
+def _open_rank(path: Path, device):
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            if (f.metadata() or {}).get("kiln_engine_hash") != expected_hash:
-                raise ValueError(f"{path} belongs to another engine (its hash differs from config.json's)")
-            return {name: f.get_tensor(name) for name in f.keys()}
+            yield f
     except SafetensorError as err:
         raise ValueError(f"{path}: corrupt or truncated engine weights ({err})") from None

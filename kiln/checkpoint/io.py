@@ -1,4 +1,5 @@
-"""Kiln checkpoints on disk: config.json + rank{N}.safetensors + tokenizer files, written atomically."""
+"""Kiln checkpoints on disk: config.json (with the checksums of the other files) + rank{N}.safetensors + tokenizer
+files, written atomically."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,8 @@ import torch
 
 from kiln.config import PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
-from kiln.utils.fs import atomic_dir, read_json_object, require_dir
+from kiln.utils.checksum import directory_checksums, verify_checksums
+from kiln.utils.fs import atomic_dir, check_output_dir, read_json_object, require_dir
 from kiln.version import __version__
 
 CHECKPOINT_FORMAT = "kiln-checkpoint"
@@ -21,9 +23,10 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights: dict, tokenizer_files: dict[str, bytes],
-                    config_only: bool = False, workers: int = 1) -> Path:
+                    config_only: bool = False, workers: int = 1, overwrite: bool = False) -> Path:
     """Write a checkpoint; `rank_weights` maps each rank to its tensors (or to a function making them, so that
-    ranks are produced one at a time, `workers` in parallel). Nothing is left behind on failure."""
+    ranks are produced one at a time, `workers` in parallel). Nothing is left behind on failure. An existing
+    directory is replaced only when it is empty or a checkpoint, or with overwrite=True."""
     from concurrent.futures import ThreadPoolExecutor
 
     from safetensors.torch import save_file
@@ -34,38 +37,50 @@ def save_checkpoint(out_dir: str | Path, config: PretrainedConfig, rank_weights:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
                   metadata={"format": "pt"})
 
+    check_output_dir(out_dir, CHECKPOINT_FORMAT, overwrite)
     with atomic_dir(out_dir) as tmp:
-        config = dataclasses.replace(config, mapping=config.mapping.for_rank(0))
-        meta = {"kiln_format": CHECKPOINT_FORMAT, "kiln_version": __version__, **config.to_dict()}
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         if not config_only:
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 list(pool.map(write, rank_weights.items()))
         write_tokenizer_files(tokenizer_files, tmp)
+        config = dataclasses.replace(config, mapping=config.mapping.for_rank(0))
+        meta = {"kiln_format": CHECKPOINT_FORMAT, "kiln_version": __version__, **config.to_dict(),
+                "checksums": directory_checksums(tmp)}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     return Path(out_dir)
 
 
 def load_checkpoint_config(ckpt_dir: str | Path, rank: int = 0) -> PretrainedConfig:
+    return _read_config(ckpt_dir, rank)[0]
+
+
+def _read_config(ckpt_dir: str | Path, rank: int) -> tuple[PretrainedConfig, dict | None]:
+    """(config of `rank`, the checksums config.json records: None in checkpoints written before them)."""
     ckpt_dir = require_dir(ckpt_dir, "checkpoint directory")
     data = read_json_object(ckpt_dir / "config.json", "checkpoint config")
     if data.pop("kiln_format", None) != CHECKPOINT_FORMAT:
         raise ValueError(f"{ckpt_dir}: not a Kiln checkpoint (config.json has no kiln_format={CHECKPOINT_FORMAT!r})")
     data.pop("kiln_version", None)
+    checksums = data.pop("checksums", None)
     config = PretrainedConfig.from_dict(data)
     if not 0 <= rank < config.mapping.world_size:
         raise ValueError(f"{ckpt_dir} has ranks 0..{config.mapping.world_size - 1}; rank {rank} asked")
-    return dataclasses.replace(config, mapping=config.mapping.for_rank(rank))
+    return dataclasses.replace(config, mapping=config.mapping.for_rank(rank)), checksums
 
 
-def load_checkpoint(ckpt_dir: str | Path, rank: int = 0) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, bytes]]:
-    """(config, tensors of `rank`, tokenizer files) of a checkpoint directory."""
+def load_checkpoint(ckpt_dir: str | Path, rank: int = 0,
+                    verify: bool = True) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(config, tensors of `rank`, tokenizer files) of a checkpoint directory; the files' checksums are verified
+    first (verify=False skips them)."""
     from kiln.checkpoint.hf import iter_file_tensors
     from kiln.checkpoint.layout import check_weights
 
-    config = load_checkpoint_config(ckpt_dir, rank)
+    config, checksums = _read_config(ckpt_dir, rank)
     path = Path(ckpt_dir) / f"rank{rank}.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt_dir}: no weights file {path.name} (a config-only checkpoint?)")
+    if verify:
+        verify_checksums(Path(ckpt_dir), checksums, "checkpoint", path.name)
     weights = dict(iter_file_tensors(path))
     check_weights(weights, config, str(path))
     return config, weights, read_tokenizer_files(ckpt_dir)

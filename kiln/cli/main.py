@@ -12,6 +12,7 @@ from kiln.config import AutoParallelConfig, BuildConfig, ConvertConfig, LoraConf
 from .args import add_dataclass_args, parse_bool, pick
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SKIP_CHECKSUM_HELP = "load the engine or Kiln checkpoint without verifying its files' checksums"
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -22,6 +23,8 @@ def _convert_parser(sub) -> None:
     p.add_argument("--output_dir", required=True, help="checkpoint directory to write")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto: the model's own)")
     p.add_argument("--seed", type=int, default=0, help="seed of a random-weight model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output_dir even when it is not a Kiln checkpoint (its files are deleted)")
     p.set_defaults(fields=add_dataclass_args(p, ConvertConfig), handler=cmd_convert)
 
 
@@ -31,6 +34,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model_dir", help="HF model directory or GGUF file (converted on the fly)")
     src.add_argument("--config", help="one YAML file with model:, checkpoint: and build: sections")
     p.add_argument("--output_dir", help="engine directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output_dir even when it is not a Kiln engine (its files are deleted)")
+    p.add_argument("--skip_checksum", action="store_true",
+                   help="with --checkpoint_dir: load it without verifying its files' checksums")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="with --model_dir: weight dtype")
     p.add_argument("--gather_all_token_logits", nargs="?", const=True, type=parse_bool, default=False,
                    help="same as --gather_context_logits --gather_generation_logits")
@@ -49,6 +56,7 @@ def _run_parser(sub) -> None:
     src.add_argument("--engine_dir", help="Kiln engine directory")
     src.add_argument("--model_dir", help="HF directory, GGUF file or Kiln checkpoint (built on the fly)")
     _generation_args(p)
+    p.add_argument("--skip_checksum", action="store_true", help=SKIP_CHECKSUM_HELP)
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.set_defaults(handler=cmd_run)
 
@@ -136,6 +144,7 @@ def _serve_parser(sub) -> None:
                    help="split prompts longer than the engine's max_num_tokens over several steps")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv_cache_max_tokens", type=int, help="most tokens the KV cache holds (default: from memory)")
+    p.add_argument("--skip_checksum", action="store_true", help=SKIP_CHECKSUM_HELP)
     p.set_defaults(kv_fields=add_dataclass_args(p, KvCacheConfig, skip=("max_tokens",)), handler=cmd_serve)
 
 
@@ -153,14 +162,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cmd_convert(args) -> None:
+    from kiln.checkpoint.io import CHECKPOINT_FORMAT
     from kiln.models import LlamaForCausalLM
 
     from kiln.config import Mapping
 
     convert = ConvertConfig(**pick(args, args.fields))
+    _check_output_dir(args.output_dir, CHECKPOINT_FORMAT, args.overwrite, args.model_dir)
     mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
     if convert.load_by_shard and mapping.world_size > 1 and args.model_dir:
-        _convert_by_shard(args.model_dir, args.dtype, convert, mapping, args.output_dir)
+        _convert_by_shard(args.model_dir, args.dtype, convert, mapping, args.output_dir, args.overwrite)
         print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s), read by shard)")
         return
     if args.model_dir:
@@ -170,8 +181,16 @@ def cmd_convert(args) -> None:
     _check_embedding_sharing(convert, model.config)
     model.config = dataclasses.replace(model.config, **convert.parallel_fields())
     model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only, mapping=mapping,
-                          workers=convert.workers)
+                          workers=convert.workers, overwrite=args.overwrite)
     print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s))")
+
+
+def _check_output_dir(output_dir: str, kiln_format: str, overwrite: bool, source: str | None) -> None:
+    """Before any work: the output may replace only an empty directory or a Kiln output of its kind (else
+    --overwrite), and never the input."""
+    from kiln.utils.fs import check_output_dir
+
+    check_output_dir(output_dir, kiln_format, overwrite, [source] if source else [])
 
 
 def _check_embedding_sharing(convert: ConvertConfig, config) -> None:
@@ -179,7 +198,8 @@ def _check_embedding_sharing(convert: ConvertConfig, config) -> None:
         raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
 
 
-def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mapping, output_dir: str) -> None:
+def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mapping, output_dir: str,
+                      overwrite: bool) -> None:
     """Each rank read on its own from the HF directory (load_by_shard), `convert.workers` ranks at a time."""
     from kiln.checkpoint import save_checkpoint
 
@@ -187,7 +207,7 @@ def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mappin
     first = rank_model(0)
     ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
     save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files, config_only=convert.save_config_only,
-                    workers=convert.workers)
+                    workers=convert.workers, overwrite=overwrite)
 
 
 def _rank_reader(model_dir: str, dtype: str, convert: ConvertConfig, mapping, quiet: bool):
@@ -219,6 +239,8 @@ def cmd_build(args) -> None:
 
     quiet = args.log_level in ("warning", "error", "internal_error")
     workers = args.workers
+    _check_build_output(args)
+    verify = not args.skip_checksum
     if args.config:
         engine, build_config, output_dir = _from_build_file(args, quiet)
     else:
@@ -232,15 +254,39 @@ def cmd_build(args) -> None:
 
                 if build_config.auto_parallel_config.enabled:
                     raise ValueError(f"{args.checkpoint_dir} is already sharded ({world} ranks): drop --auto_parallel")
-                engine = build_all_ranks(lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank),
-                                         world, build_config, quiet, workers)
-                _finish_build(engine, build_config, output_dir, quiet)
+                engine = build_all_ranks(
+                    lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank, verify), world,
+                    build_config, quiet, workers)
+                _finish_build(engine, build_config, output_dir, quiet, args.overwrite)
                 return
-            model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir)
+            model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, verify=verify)
         else:
             model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
         engine = _build_model(model, build_config, 1, 1, quiet, workers)
-    _finish_build(engine, build_config, output_dir, quiet)
+    _finish_build(engine, build_config, output_dir, quiet, args.overwrite)
+
+
+def _check_build_output(args) -> None:
+    """--output_dir (or the YAML file's model.output_dir) is given and may be written, checked before the minutes
+    of loading and building; --skip_checksum only where there is a checkpoint to verify."""
+    if args.skip_checksum and not args.checkpoint_dir:
+        raise ValueError("--skip_checksum applies to --checkpoint_dir (HF directories and GGUF files have no Kiln "
+                         "checksums)")
+    if args.config:
+        from kiln.config import load_build_file
+
+        spec = load_build_file(args.config)
+        output_dir, dry_run, source = spec.model.output_dir, spec.build.dry_run, spec.model.model_dir
+    else:
+        output_dir, dry_run = args.output_dir, getattr(args, "dry_run", False)
+        source = args.checkpoint_dir or args.model_dir
+    if dry_run:
+        return
+    if not output_dir:
+        raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
+    from kiln.builder.engine import ENGINE_FORMAT
+
+    _check_output_dir(output_dir, ENGINE_FORMAT, args.overwrite, source)
 
 
 def _build_model(model, build_config: BuildConfig, tp: int, pp: int, quiet: bool, workers: int):
@@ -261,12 +307,10 @@ def _build_model(model, build_config: BuildConfig, tp: int, pp: int, quiet: bool
     return engine
 
 
-def _finish_build(engine, build_config, output_dir, quiet: bool) -> None:
-    if not output_dir and not build_config.dry_run:
-        raise ValueError("--output_dir is required (or model.output_dir in the YAML file)")
+def _finish_build(engine, build_config, output_dir, quiet: bool, overwrite: bool) -> None:
     if engine.pretrained_config.mapping.world_size == 1:
         _compile_gpu_kernels(engine, quiet)
-    if engine.save(output_dir) is not None:
+    if engine.save(output_dir, overwrite) is not None:
         print(f"engine written to {output_dir} (hash {engine.hash[:16]})")
 
 
@@ -353,7 +397,7 @@ def _chat(llm, args) -> None:
 def cmd_run(args) -> None:
     from kiln import LLM
 
-    _chat(LLM(args.engine_dir or args.model_dir, device=args.device), args)
+    _chat(LLM(args.engine_dir or args.model_dir, device=args.device, skip_checksum=args.skip_checksum), args)
 
 
 def cmd_demo(args) -> None:
@@ -361,11 +405,15 @@ def cmd_demo(args) -> None:
     from pathlib import Path
 
     from kiln import LLM, BuildConfig, build
+    from kiln.builder.engine import ENGINE_FORMAT
+    from kiln.checkpoint.io import CHECKPOINT_FORMAT
     from kiln.models import LlamaForCausalLM
     from kiln.utils.default_model import default_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
+        _check_output_dir(work / "checkpoint", CHECKPOINT_FORMAT, False, None)
+        _check_output_dir(work / "engine", ENGINE_FORMAT, False, None)
         gguf = default_model_path()
         print(f"1. import {gguf.name} (embedded default model)", file=sys.stderr)
         LlamaForCausalLM.from_hugging_face(gguf).save_checkpoint(work / "checkpoint")
@@ -414,7 +462,7 @@ def cmd_serve(args) -> None:
     kv_cache = KvCacheConfig(**{"enable_block_reuse": True, "max_tokens": args.kv_cache_max_tokens,
                                 **pick(args, args.kv_fields)})
     llm = LLM(args.model, kv_cache_config=kv_cache, enable_chunked_context=args.enable_chunked_context,
-              device=args.device)
+              device=args.device, skip_checksum=args.skip_checksum)
     serve(llm, config, args.host, args.port, args.shutdown_timeout)
 
 

@@ -103,8 +103,9 @@ class PretrainedModel:
         return cls(config, weights, source=type(hf_model).__name__)
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0):
-        config, weights, tokenizer_files = load_checkpoint(ckpt_dir, rank)
+    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0, verify: bool = True):
+        """Rank `rank` of a Kiln checkpoint, its files checked against their checksums (verify=False skips that)."""
+        config, weights, tokenizer_files = load_checkpoint(ckpt_dir, rank, verify)
         return cls(config, weights, tokenizer_files, source=str(ckpt_dir))
 
     @classmethod
@@ -129,16 +130,17 @@ class PretrainedModel:
         return model.quantized(convert_config.quant_config(), convert_config.calib_size, quiet)
 
     def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False, mapping: Mapping | None = None,
-                        workers: int = 1) -> Path:
+                        workers: int = 1, overwrite: bool = False) -> Path:
         """Write config.json + rank{N}.safetensors (+ tokenizer files); atomic. With a `mapping` of several ranks
-        the (unsharded) model is sharded and every rank written, `workers` ranks at a time."""
+        the (unsharded) model is sharded and every rank written, `workers` ranks at a time. An existing `out_dir`
+        is replaced only when it is empty or a checkpoint, or with overwrite=True."""
         if mapping is None or mapping.world_size == 1:
             return save_checkpoint(out_dir, self.config, {self.config.mapping.rank: self.weights},
-                                   self.tokenizer_files, config_only=save_config_only)
+                                   self.tokenizer_files, config_only=save_config_only, overwrite=overwrite)
         config = self.shard(mapping.for_rank(0)).config
         ranks = {r: (lambda r=r: self.shard(mapping.for_rank(r)).weights) for r in range(mapping.world_size)}
         return save_checkpoint(out_dir, config, ranks, self.tokenizer_files, config_only=save_config_only,
-                               workers=workers)
+                               workers=workers, overwrite=overwrite)
 
     def shard(self, mapping: Mapping):
         """This rank's share of an unsharded model (kiln.checkpoint.sharding)."""

@@ -1,0 +1,80 @@
+"""Checksums of the files of engines and checkpoints, written at save and verified at load.
+
+A file's digest is SHA-256 over the SHA-256 digests of its 64 MiB chunks: the chunks are hashed by several
+threads at once (hashlib releases the GIL), so that verifying a 100 GB engine is bound by the disk, not one core.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ALGORITHM = "sha256-of-64MiB-chunks"
+CHUNK = 64 << 20
+_READ = 8 << 20
+_RANK_WEIGHTS = re.compile(r"rank\d+\.safetensors")
+
+
+def file_digest(path: Path, threads: int | None = None) -> str:
+    size = path.stat().st_size
+    threads = threads or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool:
+        digests = pool.map(lambda start: _chunk_digest(path, start, min(CHUNK, size - start)), range(0, size, CHUNK))
+        return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _chunk_digest(path: Path, start: int, length: int) -> bytes:
+    digest, buffer = hashlib.sha256(), bytearray(min(_READ, length))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while length > 0:
+            n = f.readinto(memoryview(buffer)[:min(_READ, length)])
+            if n == 0:
+                break
+            digest.update(memoryview(buffer)[:n])
+            length -= n
+    return digest.digest()
+
+
+def directory_checksums(directory: Path, skip: tuple[str, ...] = ("config.json",)) -> dict:
+    """{"algorithm", "files": {relative path: {"bytes", "digest"}}} of every file under `directory` but `skip`."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in skip)
+    return {"algorithm": ALGORITHM,
+            "files": {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "digest": file_digest(p)}
+                      for p in files}}
+
+
+def verify_checksums(directory: Path, checksums: dict | None, what: str, own_weights: str) -> None:
+    """Check the files `checksums` lists against their recorded sizes and digests, but the weights of ranks other
+    than `own_weights` (their own loads check them); a missing, truncated or altered file is an error naming it.
+    A directory written before checksums existed is loaded with a one-line notice."""
+    if checksums is None:
+        print(f"note: {directory} was written without checksums (by an older Kiln): its files are not verified",
+              file=sys.stderr)
+        return
+    for name, recorded in _recorded_files(directory, checksums).items():
+        if _RANK_WEIGHTS.fullmatch(name) and name != own_weights:
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{what} file {path} is missing")
+        if path.stat().st_size != recorded.get("bytes"):
+            raise ValueError(f"{path}: corrupt or truncated {what} file ({path.stat().st_size} bytes, "
+                             f"{recorded.get('bytes')} written)")
+        if file_digest(path) != recorded.get("digest"):
+            raise ValueError(f"{path}: corrupt {what} file (its checksum differs from the one written with it); "
+                             "copy or build it again (--skip_checksum loads it anyway)")
+
+
+def _recorded_files(directory: Path, checksums) -> dict[str, dict]:
+    algorithm = checksums.get("algorithm") if isinstance(checksums, dict) else checksums
+    if algorithm != ALGORITHM:
+        raise ValueError(f"{directory}/config.json: unknown checksum algorithm {algorithm!r} (this Kiln uses "
+                         f"{ALGORITHM!r})")
+    files = checksums.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise ValueError(f"{directory}/config.json: corrupt checksums (no file list)")
+    return files
