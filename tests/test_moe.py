@@ -27,11 +27,9 @@ def stacked_experts(algo: str | None, w: torch.Tensor, group: int = 32, input_sc
     """w (E, out, in) as `algo` stores experts (each expert's format tensors stacked), or w itself for None."""
     if algo is None:
         return w
-    config = QuantConfig(algo, group_size=group)
-    from kiln.quantization import _quantize_matrix
+    from kiln.quantization import round_experts
 
-    per_expert = [_quantize_matrix("m", m.float(), algo, config) for m in w]
-    out = {name[2:]: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
+    out = round_experts(w, QuantConfig(algo, group_size=group))
     if input_scale is not None:
         out["input_scale"] = torch.tensor([input_scale], device=w.device)
     return out
@@ -48,15 +46,11 @@ def oracle_moe(x, router, gate_up, down, top_k: int, renormalize: bool, algo: st
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    experts = (gate_up["weight"] if isinstance(gate_up, dict) else gate_up).shape[0]
-    for token in range(x.shape[0]):
-        for slot in range(top_k):
-            local = int(chosen[token, slot]) - first_expert
-            if not 0 <= local < experts:
-                continue
-            gate, up = _oracle_product(x[token:token + 1], gate_up, local, algo).to(x.dtype).chunk(2, dim=-1)
-            act = F.silu(gate.float()).to(x.dtype) * up
-            out[token] += weights[token, slot] * _oracle_product(act, down, local, algo)[0]
+    for local in range((gate_up["weight"] if isinstance(gate_up, dict) else gate_up).shape[0]):
+        token, slot = (chosen == local + first_expert).nonzero(as_tuple=True)
+        gate, up = _oracle_product(x[token], gate_up, local, algo).to(x.dtype).chunk(2, dim=-1)
+        act = F.silu(gate.float()).to(x.dtype) * up
+        out.index_add_(0, token, weights[token, slot, None] * _oracle_product(act, down, local, algo))
     return out
 
 

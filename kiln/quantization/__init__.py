@@ -192,8 +192,7 @@ def _quantize_experts(weights, quant_config: QuantConfig, fused: str, parts: lis
     for part in parts:
         stacked = weights.pop(part)
         if calibrated is None:
-            per_expert = [_quantize_matrix(part, w.float(), quant_config.quant_algo, quant_config) for w in stacked]
-            weights.update({name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]})
+            weights.update({f"{part}.{name}": t for name, t in round_experts(stacked, quant_config).items()})
         if quant_config.static_activations:
             weights[part + ".input_scale"] = _input_scale(stats.inputs[fused], FP8_MAX)
 
@@ -235,23 +234,28 @@ def _quantize_group(weights, quant_config: QuantConfig, algo: str, fused: str, p
             x_max = x_max / smoother
         input_scale = _input_scale(x_max, INT8_MAX if algo.startswith("W8A8") else FP8_MAX)
     for part, mat in zip(parts, mats):
-        weights.update(_quantize_matrix(part, mat, algo, quant_config))
+        weights.update({f"{part}.{name}": t for name, t in _quantize_matrix(mat, algo, quant_config).items()})
         if input_scale is not None:                        # one tensor per part: safetensors refuses shared memory
             weights[part + ".input_scale"] = input_scale.clone()
         if smoother is not None and norm is None:          # not absorbed: divided at run time
             weights[part + ".smoother"] = smoother.clone()
 
 
-def _quantize_matrix(base: str, w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
+def _quantize_matrix(w: torch.Tensor, algo: str, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
+    """The format's tensors (weight, weight_scale[, weight_zero]) of w rounded to nearest."""
     if algo == "W8A16" or algo.startswith("W8A8"):
         q, scale = quant.quantize_int8(w)
-        return {base + ".weight": q, base + ".weight_scale": scale}
+        return {"weight": q, "weight_scale": scale}
     if algo.startswith("W4A16"):
         group = quant_config.group_size if algo in GROUP_ALGOS else None
         packed, scale, zero = quant.quantize_int4(w, group, quant_config.has_zero_point)
-        out = {base + ".weight": packed, base + ".weight_scale": scale}
-        if zero is not None:
-            out[base + ".weight_zero"] = zero
-        return out
+        return {"weight": packed, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
     q, scale = quant.quantize_fp8(w)
-    return {base + ".weight": q, base + ".weight_scale": scale}
+    return {"weight": q, "weight_scale": scale}
+
+
+def round_experts(stacked: torch.Tensor, quant_config: QuantConfig) -> dict[str, torch.Tensor]:
+    """Stacked experts (E, out, in) rounded to nearest in quant_config's format: each of its tensors with a leading
+    expert dimension (no input_scale)."""
+    per_expert = [_quantize_matrix(w.float(), quant_config.quant_algo, quant_config) for w in stacked]
+    return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
