@@ -109,8 +109,16 @@ class EngineCore:
         """Sample a launched step's tokens and apply them (in order)."""
         result, gathered = self.runner.finish(launch)
         self._attach_logits(gathered)
+        self._end_failed(out)
         self._release(self.scheduler.update(out, result))
         return [r for r, _, _ in out.scheduled]
+
+    def _end_failed(self, out) -> None:
+        """End the requests whose sampling failed (request.error), freeing their blocks; the others go on."""
+        for request, _, _ in out.scheduled:
+            if request.error is not None and not request.finished:
+                self.scheduler.finish_request(request, "error")
+                self.runner.release(request)
 
     def _read(self, launch) -> list[Request]:
         """Put a deferred step's tokens in place of its sequences' pending tokens."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,13 @@ from .detokenizer import IncrementalDetokenizer, find_stop
 from .engine_core import EngineCore
 from .outputs import CompletionOutput, GenerationOutput, RequestMetrics
 from .request import Request, Sequence
+
+logger = logging.getLogger("kiln.runtime")
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (its sampling or text processing raised); the engine loop and the
+    other requests went on. The message names the request and the cause."""
 
 
 class GenerationResult:
@@ -63,6 +71,8 @@ class GenerationResult:
             return self._final()
 
     def _final(self) -> GenerationOutput:
+        if isinstance(self._error, RequestFailed):
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"request {self.request_id} failed: {self._error}") from self._error
         return self._outputs[-1]
@@ -172,7 +182,7 @@ class GenerationExecutor:
                     for request in advanced:
                         state = self._states.get(request.request_id)
                         if state is not None:              # None: aborted, or finished by an earlier step
-                            self._process(state)
+                            self._process_alone(state)
             error = RuntimeError("the LLM was shut down before this request finished")
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             error = exc
@@ -195,11 +205,35 @@ class GenerationExecutor:
             block = False
             if kind == "add":
                 self._states[item.request.request_id] = item
-                self.core.add_request(item.request)
+                try:
+                    self.core.add_request(item.request)
+                except Exception as err:  # noqa: BLE001 - it fails this request only
+                    self._fail(item, err)
             elif kind == "abort" and item in self._states:
                 state = self._states[item]
                 self.core.abort(state.request)
-                self._process(state)
+                self._process_alone(state)
+
+    def _process_alone(self, state: _RequestState) -> None:
+        """_process, where an error (or one the engine met sampling it: request.error) fails this request only."""
+        try:
+            if state.request.error is not None:
+                raise state.request.error
+            self._process(state)
+        except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
+            self._fail(state, err)
+
+    def _fail(self, state: _RequestState, err: Exception) -> None:
+        """End a failed request (its KV blocks freed) and tell its caller which request failed and why."""
+        request_id = state.request.request_id
+        logger.error("request %d failed (the engine goes on): %s: %s", request_id, type(err).__name__, err,
+                     exc_info=err)
+        self._states.pop(request_id, None)
+        if not state.request.finished:
+            self.core.abort(state.request)
+        failure = RequestFailed(f"request {request_id} failed: {type(err).__name__}: {err}")
+        failure.__cause__ = err
+        state.result._publish(None, failure)
 
     def _process(self, state: _RequestState) -> None:
         request = state.request

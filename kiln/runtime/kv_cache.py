@@ -1,18 +1,28 @@
 """Block bookkeeping of the paged KV cache, with prefix reuse. Plain Python, no torch.
 
 Blocks hold `tokens_per_block` tokens. A full, computed block is registered under a key made of its tokens and
-the key of the block before it, so a later sequence with the same prefix finds it. Blocks are reference
+the key of the block before it, so a later sequence with the same prefix finds it. The key is a SHA-256 digest:
+equal keys mean equal prefixes, as no one can craft a collision (Python's hash() collides on demand, so a
+request could plant blocks another prompt's prefix would reuse — vLLM's CVE-2025-25183). Blocks are reference
 counted; a block whose count drops to zero goes to the back of the free queue but keeps its contents and key
 until it is taken for something else (LRU eviction from the front).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from .request import Sequence
 
-BlockKey = tuple  # (hash of the previous block's key or None, tokens of this block)
+BlockKey = bytes  # SHA-256 of (the previous block's key, this block's token ids)
+
+
+def block_key(parent: BlockKey | None, tokens: list[int]) -> BlockKey:
+    """The key of a full block: its token ids (8 bytes each) after its parent's key (none for the first block,
+    whose digest input is then shorter by the key's 32 bytes, so the two cannot be confused)."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 @dataclass
@@ -58,12 +68,12 @@ class KVCacheManager:
             return []
         bs, hits, parent = self.tokens_per_block, [], None
         for i in range((seq.num_tokens - 1) // bs):
-            key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(key)
             if block is None:
                 break
             hits.append(block)
-            parent = hash(key)
+            parent = key
         return hits
 
     def adopt_prefix(self, seq: Sequence, blocks: list[int]) -> None:
@@ -81,7 +91,7 @@ class KVCacheManager:
         bs = self.tokens_per_block
         keys = seq.block_keys
         for i in range(len(keys), seq.num_computed_tokens // bs):
-            key = (hash(keys[-1]) if keys else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs])
             block = seq.block_ids[i]
             if key not in self.cached and self.keys[block] is None:
                 self.cached[key], self.keys[block] = block, key

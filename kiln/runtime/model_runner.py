@@ -351,28 +351,47 @@ class ModelRunner:
                 result.tokens[request.request_id] = [SampledToken(0, token)]
         simple_ids = {id(r) for r in simple}
         for request in requests:
-            if id(request) in simple_ids:
-                continue
-            for seq in request.seqs:
-                if seq.seq_id in row_of:
-                    # a float32 copy: rows may be a graph's buffer, in the model's dtype
-                    self.last_logits[seq.seq_id] = rows[row_of[seq.seq_id]].to(torch.float32, copy=True)
-            if not all(seq.seq_id in self.last_logits for seq in request.seqs):
-                continue                              # a sibling is still being computed
-            own = torch.stack([self.last_logits.pop(seq.seq_id) for seq in request.seqs])
-            if request.sampling.use_beam_search:
-                result.beam_candidates[request.request_id] = sampler.beam_candidates(own, request, beams_to_keep(request))
-            else:
-                result.tokens[request.request_id] = self._choose(request, own)
-        pending = [t for tokens in result.tokens.values() for t in tokens if isinstance(t.token, torch.Tensor)]
+            if id(request) not in simple_ids:
+                self._sample_alone(request, rows, row_of, result)
+        pending = [(r, t) for r in requests for t in result.tokens.get(r.request_id, ())
+                   if isinstance(t.token, torch.Tensor)]
         if pending:                                   # every sampled token to the host in one copy
-            for t, value in zip(pending, torch.stack([t.token for t in pending]).tolist()):
+            for (request, t), value in zip(pending, torch.stack([t.token for _, t in pending]).tolist()):
                 t.token = value
+                if value == sampler.NO_TOKEN:
+                    self._fail(request, sampler.NoFiniteLogit(), result)
         if self.gather_generation_logits:
             for request in requests:
                 if request.seqs and request.seqs[0].seq_id in row_of and request.request_id in result.tokens:
                     gathered.generation[request.request_id] = rows[row_of[request.seqs[0].seq_id]].float().cpu()
         return result
+
+    def _sample_alone(self, request: Request, rows: torch.Tensor, row_of: dict[int, int],
+                      result: ModelStepOutput) -> None:
+        """Sample one request's tokens (beam candidates) once all its sequences are computed. An error fails
+        this request only (request.error; the engine ends it), never the step."""
+        try:
+            for seq in request.seqs:
+                if seq.seq_id in row_of:
+                    # a float32 copy: rows may be a graph's buffer, in the model's dtype
+                    self.last_logits[seq.seq_id] = rows[row_of[seq.seq_id]].to(torch.float32, copy=True)
+            if not all(seq.seq_id in self.last_logits for seq in request.seqs):
+                return                                # a sibling is still being computed
+            own = torch.stack([self.last_logits.pop(seq.seq_id) for seq in request.seqs])
+            if request.sampling.use_beam_search:
+                result.beam_candidates[request.request_id] = sampler.beam_candidates(own, request,
+                                                                                     beams_to_keep(request))
+            else:
+                result.tokens[request.request_id] = self._choose(request, own)
+        except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
+            self._fail(request, err, result)
+
+    def _fail(self, request: Request, err: Exception, result: ModelStepOutput) -> None:
+        """The request gets no token this step; the engine ends it with `err`."""
+        request.error = err
+        result.tokens.pop(request.request_id, None)
+        result.beam_candidates.pop(request.request_id, None)
+        self.forget_logits(request)
 
     def _simple(self, request: Request, row_of: dict[int, int]) -> bool:
         """Greedy, one sequence computed this step, nothing that looks at the logits but an argmax."""

@@ -43,7 +43,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_keys: list[tuple] = field(default_factory=list)   # prefix-cache keys of the full blocks registered
+    block_keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of the full blocks registered
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -108,6 +108,7 @@ class Request:
     context_logits: object = None           # (prompt_len, vocab) tensor when the engine gathers them
     context_logit_chunks: list = field(default_factory=list)
     generation_logits: list = field(default_factory=list)
+    error: Exception | None = None          # why processing this request failed; the engine ends it alone
 
     def __post_init__(self):
         if not self.seqs:

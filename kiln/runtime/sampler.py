@@ -34,9 +34,24 @@ def suppress_stop_tokens(logits: torch.Tensor, request: Request, seq: Sequence) 
     return logits
 
 
+NO_TOKEN = -2
+"""Sampled in place of a token when a row has no finite logit (NaN or -inf everywhere): the request fails."""
+
+
+class NoFiniteLogit(ValueError):
+    def __init__(self):
+        super().__init__("no token can be sampled: every logit is NaN or -inf")
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN → -inf (never chosen); +inf → the dtype's largest value (chosen, and softmax stays a distribution).
+    Penalties and small temperatures can overflow float32; a broken model can give NaN."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+
+
 def filtered_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf) on (V,) logits."""
-    logits = logits / (sampling.temperature if sampling.temperature is not None else 1.0)
+    logits = finite_logits(logits / (sampling.temperature if sampling.temperature is not None else 1.0))
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -51,23 +66,36 @@ def filtered_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     return logits
 
 
+def sample(kept: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A 0-d token drawn from softmax(kept), without a host sync; NO_TOKEN when no logit is finite (a uniform
+    stand-in is drawn from then, so torch.multinomial never sees NaN)."""
+    usable = torch.isfinite(kept).any()
+    probs = torch.where(usable, kept, 0.0).softmax(-1)
+    token = torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.where(usable, token, NO_TOKEN)
+
+
 def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
            normalize_log_probs: bool) -> tuple[torch.Tensor | int, TokenLogprob | None]:
     """Pick one token from (V,) processed logits; with its log-probability when the request asks for them.
 
-    Without log-probabilities the token stays on the device (a 0-d tensor), so a step's samples reach the host
-    in one copy. Log-probabilities are of the distribution sampled from (after temperature): over the whole
-    vocabulary, or, with normalize_log_probs, renormalised over the tokens top-k/top-p/min-p kept."""
+    Without log-probabilities the token stays on the device (a 0-d tensor, NO_TOKEN if the row had no finite
+    logit), so a step's samples reach the host in one copy. Log-probabilities are of the distribution sampled
+    from (after temperature): over the whole vocabulary, or, with normalize_log_probs, renormalised over the
+    tokens top-k/top-p/min-p kept."""
+    logits = finite_logits(logits)
     if sampling.greedy:
         token = logits.argmax()
         kept = logits
     else:
         kept = filtered_logits(logits, sampling)
-        token = torch.multinomial(kept.softmax(-1), 1, generator=generator)[0]
+        token = sample(kept, generator)
     if sampling.logprobs is None:
         return token, None
     token = int(token)
-    dist = kept if (normalize_log_probs or sampling.greedy) else logits / (sampling.temperature or 1.0)
+    if token == NO_TOKEN:
+        raise NoFiniteLogit()
+    dist = kept if (normalize_log_probs or sampling.greedy) else finite_logits(logits / (sampling.temperature or 1.0))
     logprobs = torch.log_softmax(dist.float(), dim=-1)
     return token, _logprob_entry(logprobs, token, sampling.logprobs)
 

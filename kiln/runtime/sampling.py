@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily (as vLLM's): dividing logits by less overflows float32."""
+FLOAT32_TINY = 2.0 ** -126
+"""The smallest normal float32: a nonzero setting below it is a denormal in float32 arithmetic."""
+MAX_LENGTH_PENALTY = 10.0
+"""|length_penalty| beyond this makes generated_length ** length_penalty overflow a float."""
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "length_penalty")
 
 
 class DecodingMode(enum.Enum):
@@ -32,7 +42,8 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)
     """Strings that end generation; the text is cut just before the first one."""
     temperature: float | None = None
-    """Softmax temperature; 0 means greedy. Setting it (or top_k/top_p/min_p) turns sampling on (default 1.0)."""
+    """Softmax temperature; 0 (or below 1e-5) means greedy. Setting it (or top_k/top_p/min_p) turns sampling on
+    (default 1.0)."""
     top_k: int | None = None
     """Sample among the k most likely tokens; 0 or None means no limit, 1 means greedy."""
     top_p: float | None = None
@@ -52,7 +63,8 @@ class SamplingConfig:
     num_beams: int = 1
     """Beam width for beam search (1: no beam search); the best beam is returned."""
     length_penalty: float = 1.0
-    """Beam search: a finished beam scores cumulative log-prob / (generated length ** length_penalty)."""
+    """Beam search: a finished beam scores cumulative log-prob / (generated length ** length_penalty), in
+    [-10, 10]."""
     early_stopping: bool | str = False
     """Beam search: True stops once num_beams beams finished; False stops when no running beam can beat the
     finished ones (scored at the current length); "never" also considers the longest possible length."""
@@ -64,6 +76,7 @@ class SamplingConfig:
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_counts()
+        self._check_floats()
         self._check_ranges()
 
     def _bad(self, name: str, rule: str):
@@ -87,6 +100,17 @@ class SamplingConfig:
         if self.num_beams > 1 and self.n > 1:
             self._bad("n", "must be 1 with beam search (num_beams > 1)")
 
+    def _check_floats(self):
+        """Every float setting is a finite number, and not a float32 denormal (arithmetic with one overflows)."""
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                self._bad(name, "must be a finite number")
+            if 0 < abs(value) < FLOAT32_TINY:
+                self._bad(name, f"is too small to compute with (below {FLOAT32_TINY:.3g}, a float32 denormal)")
+
     def _check_ranges(self):
         if self.temperature is not None and not self.temperature >= 0:
             self._bad("temperature", "must be ≥ 0")
@@ -99,6 +123,8 @@ class SamplingConfig:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 self._bad(name, "must be in [-2, 2]")
+        if not abs(self.length_penalty) <= MAX_LENGTH_PENALTY:
+            self._bad("length_penalty", f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         if self.early_stopping not in (True, False, "never"):
             self._bad("early_stopping", 'must be True, False or "never"')
         if self.num_beams > 1 and not self.greedy:
@@ -106,7 +132,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        if self.temperature == 0 or self.top_k == 1:
+        if (self.temperature is not None and self.temperature < GREEDY_TEMPERATURE) or self.top_k == 1:
             return True
         return self.temperature is None and self.top_k is None and self.top_p is None and self.min_p is None
 
