@@ -43,7 +43,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    build = BuildConfig(max_batch_size=BATCH, max_input_len=MAX_INPUT, max_seq_len=MAX_SEQ)
+    build = BuildConfig(max_batch_size=BATCH, max_input_len=MAX_INPUT, max_output_len=MAX_SEQ - 1,
+                        max_seq_len=MAX_SEQ)
     with LLM(tiny_dir, build_config=build, kv_cache_config=KvCacheConfig(enable_block_reuse=True), quiet=True) as llm:
         yield llm
 
@@ -96,7 +97,7 @@ def client(base):
 
 def post(base: str, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     return httpx.post(f"{base}{path}", content=content, headers=headers, **{"timeout": 60, **kwargs})
 
 
@@ -270,36 +271,52 @@ def test_full_queue_is_refused(llm, long_prompts, caplog):
     assert any("prompt='now'" in r.getMessage() for r in caplog.records)
 
 
-def test_graceful_shutdown(llm, long_prompts):
-    """A request that can finish within the deadline finishes; the others are aborted; no KV block stays used."""
+def test_graceful_shutdown(llm, long_prompts, caplog):
+    """A request that can finish within the deadline finishes; the others end cleanly at the deadline (a plain
+    request with a 503 OpenAI body, a stream with an error event then [DONE]), with no error logged; no KV block
+    stays used."""
     before = llm.stats()["scheduled_tokens"]
-    with run_server(llm, shutdown_timeout=0.5) as (url, server), httpx.Client(timeout=20) as client:
-        long = [_open_stream(client, url, {"model": MODEL, "prompt": p, "max_tokens": LONG,
-                                                  "temperature": 0})
-                for p in long_prompts[:6]]
+    long_body = {"model": MODEL, "max_tokens": LONG, "temperature": 0}
+    with (run_server(llm, shutdown_timeout=0.5) as (url, server), httpx.Client(timeout=20) as client,
+          caplog.at_level(logging.WARNING)):
+        long = [_open_stream(client, url, {**long_body, "prompt": p}) for p in long_prompts[:6]]
+        plain: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: plain.append(
+            post(url, "/v1/completions", {**long_body, "prompt": long_prompts[6]}, key=None)))
+        waiter.start()
+        while metric(url, "kiln_server_requests_in_flight") < 7:
+            time.sleep(0.01)
         short = _open_stream(client, url, {"model": MODEL, "prompt": "short", "max_tokens": 20})
         started = time.monotonic()
         server.stop()
-        ends = [_rest(lines) for _, lines in [short, *long]]
+        ends = [_tail(lines) for _, lines in [short, *long]]
+        waiter.join(20)
         assert time.monotonic() - started < 5
         for context, _ in [short, *long]:
             context.__exit__(None, None, None)
-    assert ends[0] == "data: [DONE]" and all(end != "data: [DONE]" for end in ends[1:])
+    assert ends[0][-1] == "data: [DONE]"
+    assert json.loads(ends[0][-2].removeprefix("data: "))["choices"][0]["finish_reason"] in ("stop", "length")
+    for end in ends[1:]:
+        assert end[-1] == "data: [DONE]"
+        assert json.loads(end[-2].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     deadline = time.monotonic() + 10                    # the engine applies the aborts on its next step
     while (stats := llm.stats())["kv_blocks_used"] or stats["running_requests"]:
         assert time.monotonic() < deadline, f"KV blocks still allocated after the shutdown: {stats}"
         time.sleep(0.05)
     assert llm.healthy()
-    assert stats["scheduled_tokens"] - before < 6 * LONG * 0.8, "the long requests were not aborted"
+    assert stats["scheduled_tokens"] - before < 7 * LONG * 0.8, "the long requests were not aborted"
 
 
-def _rest(lines) -> str:
-    """The last line of a streamed response, read until the server ends it ("" if it was cut)."""
-    last = ""
+def _tail(lines) -> list[str]:
+    """The non-empty lines of a streamed response, read until the server ends it (or cuts it)."""
+    seen = []
     with contextlib.suppress(httpx.HTTPError):
         for line in lines:
-            last = line or last
-    return last
+            if line:
+                seen.append(line)
+    return seen or [""]
 
 
 # --- bad input --------------------------------------------------------------------------------------------
@@ -320,7 +337,8 @@ BAD = [  # (path, body, key, status, code, words in the message)
     ("/v1/completions", {**GOOD, "stream": "yes"}, KEY, 400, "invalid_value", "stream"),
     ("/v1/completions", {**GOOD, "max_tokens": -1}, KEY, 400, "invalid_value", "max_tokens"),
     ("/v1/completions", {**GOOD, "max_tokens": 0}, KEY, 400, "invalid_value", "max_tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": 10**12}, KEY, 400, "context_length_exceeded", f"max_seq_len={MAX_SEQ}"),
+    ("/v1/completions", {**GOOD, "max_tokens": MAX_SEQ - 1}, KEY, 400, "context_length_exceeded",
+     f"max_seq_len={MAX_SEQ}"),
     ("/v1/completions", {**GOOD, "temperature": -0.5}, KEY, 400, "invalid_value", "temperature"),
     ("/v1/completions", {**GOOD, "top_p": 0}, KEY, 400, "invalid_value", "top_p"),
     ("/v1/completions", {**GOOD, "presence_penalty": 3}, KEY, 400, "invalid_value", "presence_penalty"),
@@ -368,7 +386,7 @@ def test_body_too_large(base, chunked):
     body = b'{"model": "tiny", "prompt": "' + b"a" * (20 * 2**20) + b'"}'
     content = iter([body[i:i + 2**20] for i in range(0, len(body), 2**20)]) if chunked else body
     response = httpx.post(f"{base}/v1/completions", content=content, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"})
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
     assert str(4 * 2**20) in response.json()["error"]["message"]
@@ -434,6 +452,17 @@ def test_core_imports_without_fastapi():
     assert "kiln[serve]" in result.stderr
 
 
+def wait_until_serving(proc: subprocess.Popen, url: str) -> None:
+    """Until a `kiln serve` process answers /health."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "kiln serve did not start"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        time.sleep(0.2)
+
+
 @pytest.mark.skipif(shutil.which("kiln") is None, reason="package scripts not installed")
 def test_cli_serve(tiny_dir):
     port = _free_port()
@@ -442,13 +471,7 @@ def test_cli_serve(tiny_dir):
                              "--max-queue", "4"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "kiln serve did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         good = {**GOOD, "model": "tiny-llama"}       # the directory's name
         assert post(url, "/v1/completions", good, key="from-env").json()["choices"][0]["finish_reason"] == "length"
         assert post(url, "/v1/completions", good, key=None).status_code == 401

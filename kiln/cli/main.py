@@ -137,6 +137,8 @@ def _serve_parser(sub) -> None:
                    help="requests that may wait beyond the engine's max_batch_size; more get 429")
     p.add_argument("--max_body_bytes", "--max-body-bytes", type=int, default=4 * 2**20,
                    help="largest request body; larger ones get 413")
+    p.add_argument("--body_timeout", "--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its whole request body; slower ones get 408")
     p.add_argument("--shutdown_timeout", "--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log_prompts", "--log-prompts", action="store_true", help="put prompt text in the log lines")
@@ -456,9 +458,10 @@ def cmd_serve(args) -> None:
         raise ValueError(f"kiln serve needs the serve extra ({err.name} is missing): pip install 'kiln[serve]'") from None
     from kiln import LLM, KvCacheConfig
 
-    config = ServerConfig(model_name=args.served_model_name or Path(args.model).name,
-                          api_key=args.api_key or os.environ.get("KILN_API_KEY") or None, max_queue=args.max_queue,
-                          max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KILN_API_KEY")   # "" is refused
+    config = ServerConfig(model_name=args.served_model_name or Path(args.model).name, api_key=api_key,
+                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          body_timeout=args.body_timeout, log_prompts=args.log_prompts)
     kv_cache = KvCacheConfig(**{"enable_block_reuse": True, "max_tokens": args.kv_cache_max_tokens,
                                 **pick(args, args.kv_fields)})
     llm = LLM(args.model, kv_cache_config=kv_cache, enable_chunked_context=args.enable_chunked_context,

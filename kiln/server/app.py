@@ -8,12 +8,12 @@ from importlib import resources
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from .admission import shutting_down
 from .auth import bearer_check
 from .chat import create_chat_completion
 from .completions import create_completion
 from .config import ServerConfig
-from .errors import APIError, install_error_handlers
-from .generation import ClientDisconnected
+from .errors import APIError, ClientDisconnected, install_error_handlers
 from .middleware import RequestLog
 from .state import ServerState
 
@@ -28,6 +28,7 @@ def create_app(llm, config: ServerConfig | None = None, owns_llm: bool = False) 
     async def lifespan(_: FastAPI):
         yield
         state.admission.draining = True
+        state.close()
         if owns_llm:
             llm.shutdown()
 
@@ -78,7 +79,7 @@ def _plain_routes(state: ServerState) -> APIRouter:
     @router.get("/health")
     async def health():
         if state.admission.draining:
-            raise APIError(503, "the server is shutting down", "server_shutting_down")
+            raise shutting_down()
         if not state.llm.healthy():
             raise APIError(503, "the engine loop has stopped", "engine_unavailable")
         return {"status": "ok"}

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from .body import parse_request
 from .errors import invalid
 from .generation import Generation
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, text_logprobs
 from .protocol import UNSUPPORTED_CHAT, ChatCompletionRequest
 from .responses import DeltaStream, Reply, choices
 from .sampling import sampling_config
@@ -16,22 +16,24 @@ from .sse import EventStream
 
 
 async def create_chat_completion(request: Request, server) -> JSONResponse | EventStream:
-    req = await parse_request(request, ChatCompletionRequest, server.config.max_body_bytes, UNSUPPORTED_CHAT)
+    req = await parse_request(request, ChatCompletionRequest, server.config, UNSUPPORTED_CHAT)
     server.check_model(req.model)
-    server.note_prompt(request, req.chat(), req.user)
-    prompt = _template(server.llm, req.chat())
+    messages = req.chat()
+    server.note_prompt(request, messages, req.user)
+    server.check_prompt_size("".join(m["content"] for m in messages), "messages")
+    prompt = await server.offload(_template, server.llm, messages)
     limits = server.llm.build_config
     max_new = req.max_new_tokens or max(1, min(limits.max_output_len, limits.max_seq_len - len(prompt)))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    generation = Generation(server.llm, [prompt], sampling_config(req, max_new, logprobs), bool(req.stream),
-                            server.admission, server.metrics)
-    reply = Reply(request, server.config.model_name, "chatcmpl")
+    sampling = sampling_config(req, max_new, logprobs)
+    reply = Reply(request, server, "chatcmpl")
+    generation = await Generation.start(server, [prompt], sampling, bool(req.stream))
     if req.stream:
         return EventStream(_chunks(DeltaStream(generation, req.n or 1), req, reply, server.strings),
                            generation, request.state)
     outputs = await generation.outputs(request)
-    body = [{"index": i, "message": {"role": "assistant", "content": c.text},
-             "logprobs": chat_logprobs(server.strings, c.logprobs) if req.logprobs else None,
+    body = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+             "logprobs": chat_logprobs(server.strings, text_logprobs(c)) if req.logprobs else None,
              "finish_reason": c.finish_reason} for i, _, c in choices(outputs, req.n or 1)]
     return JSONResponse(reply.body("chat.completion", body, usage=reply.usage(outputs)))
 
@@ -49,7 +51,8 @@ async def _chunks(deltas: DeltaStream, req: ChatCompletionRequest, reply: Reply,
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     async for delta in deltas:
-        message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
+        message = ({"role": "assistant", "content": delta.text, "refusal": None} if delta.first
+                   else {"content": delta.text})
         if delta.finish_reason and not delta.text and not delta.first:
             message = {}
         choice = {"index": delta.index, "delta": message, "finish_reason": delta.finish_reason,

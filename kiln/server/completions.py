@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from .body import parse_request
 from .errors import invalid
 from .generation import Generation
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, text_logprobs
 from .protocol import UNSUPPORTED_COMPLETION, CompletionRequest
 from .responses import Delta, DeltaStream, Reply, choices
 from .sampling import sampling_config
@@ -17,24 +17,31 @@ DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
 
 
 async def create_completion(request: Request, server) -> JSONResponse | EventStream:
-    req = await parse_request(request, CompletionRequest, server.config.max_body_bytes, UNSUPPORTED_COMPLETION)
+    req = await parse_request(request, CompletionRequest, server.config, UNSUPPORTED_COMPLETION)
     server.check_model(req.model)
     server.note_prompt(request, req.prompt, req.user)
     if len(req.prompt) > server.llm.build_config.max_batch_size:
         raise invalid(f"{len(req.prompt)} prompts in one request: at most the engine's max_batch_size="
                       f"{server.llm.build_config.max_batch_size}", "prompt")
+    for prompt in req.prompt:
+        server.check_prompt_size(prompt, "prompt")
     sampling = sampling_config(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs)
-    generation = Generation(server.llm, req.prompt, sampling, bool(req.stream), server.admission, server.metrics)
-    reply = Reply(request, server.config.model_name, "cmpl")
-    echoes = [server.prompt_text(p) if req.echo else "" for p in req.prompt]
+    echoes = await server.offload(_echoes, server, req.prompt) if req.echo else [""] * len(req.prompt)
+    reply = Reply(request, server, "cmpl")
+    generation = await Generation.start(server, req.prompt, sampling, bool(req.stream))
     if req.stream:
         return EventStream(_chunks(DeltaStream(generation, req.n or 1), req, reply, echoes, server.strings),
                            generation, request.state)
     outputs = await generation.outputs(request)
     body = [_choice(i, echoes[p] + c.text, None if req.logprobs is None else
-                    completion_logprobs(server.strings, c.logprobs, len(echoes[p])), c.finish_reason)
+                    completion_logprobs(server.strings, text_logprobs(c), len(echoes[p])), c.finish_reason)
             for i, p, c in choices(outputs, req.n or 1)]
     return JSONResponse(reply.body("text_completion", body, usage=reply.usage(outputs)))
+
+
+def _echoes(server, prompts: list) -> list[str]:
+    """Every prompt as text, for echo (on the worker thread: decoding token ids is CPU work)."""
+    return [server.prompt_text(p) for p in prompts]
 
 
 def _choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:

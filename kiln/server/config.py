@@ -14,6 +14,9 @@ class ServerConfig:
     """Requests that may wait beyond the engine's max_batch_size running ones; more are refused with 429."""
     max_body_bytes: int = 4 * 2**20
     """Largest request body accepted; larger ones are refused with 413."""
+    body_timeout: float = 30.0
+    """Seconds a client has to send its whole request body; slower ones (or a body shorter than its
+    Content-Length) are refused with 408."""
     log_prompts: bool = False
     """Put prompt text in the per-request log lines."""
 
@@ -24,5 +27,10 @@ class ServerConfig:
             raise ValueError(f"max_queue={self.max_queue} must be ≥ 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be ≥ 1024")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("the API key must not be empty")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout={self.body_timeout} must be > 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key must not be empty (that would serve without authentication); leave it "
+                             "unset to serve without a key")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise ValueError("the API key must not start or end with whitespace (no request could match it)")

@@ -1,13 +1,27 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         503: "service_unavailable", 500: "internal_error"}
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: it always encodes, even when the message quotes a client's unpaired
+    surrogate."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -22,8 +36,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {401: {"WWW-Authenticate": "Bearer"},
+                   408: {"Connection": "close"}}.get(self.status)   # 408: the rest of the body may still come
+        return ErrorResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -2,6 +2,7 @@
 (one entry per token with its UTF-8 bytes and top alternatives)."""
 from __future__ import annotations
 
+from kiln.runtime.outputs import CompletionOutput
 from kiln.runtime.request import TokenLogprob
 
 
@@ -19,6 +20,15 @@ class TokenStrings:
             text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False,
                                                                 clean_up_tokenization_spaces=False)
         return text
+
+
+def text_logprobs(completion: CompletionOutput) -> list[TokenLogprob]:
+    """The entries of the tokens the text shows: without the end/stop token that ended it (it adds no text)."""
+    entries = completion.logprobs or []
+    stop = completion.stop_reason
+    if entries and isinstance(stop, int) and completion.finish_reason == "stop" and entries[-1].token_id == stop:
+        return entries[:-1]
+    return entries
 
 
 def _top(entry: TokenLogprob) -> list[tuple[int, float]]:

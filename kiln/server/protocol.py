@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 MAX_STOP = 4
 MAX_N = 128
@@ -38,6 +38,10 @@ def checked_text(value: str) -> str:
     except UnicodeEncodeError:
         raise ValueError("text contains an unpaired UTF-16 surrogate") from None
     return value
+
+
+Text = Annotated[str, AfterValidator(checked_text)]
+"""A string field: refused if it cannot be encoded (it may be quoted in an answer, a log line, a template)."""
 
 
 def _is_ids(value) -> bool:
@@ -86,7 +90,7 @@ class StreamOptions(Strict):
 class SamplingFields(Strict):
     """Fields both endpoints share; None means the OpenAI default."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -97,7 +101,7 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    user: str | None = None
+    user: Text | None = None
     """An end-user id; written in the request's log line."""
 
     @model_validator(mode="after")
@@ -122,6 +126,8 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, BeforeValidator(_content)]
+    name: Text | None = None
+    """The participant's name, for the chat template (templates that do not use it leave it out)."""
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -144,4 +150,5 @@ class ChatCompletionRequest(SamplingFields):
 
     def chat(self) -> list[dict]:
         """Messages for the chat template ("developer" is the newer name of "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
+                 **({"name": m.name} if m.name is not None else {})} for m in self.messages]

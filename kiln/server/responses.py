@@ -12,19 +12,21 @@ from kiln.runtime.outputs import CompletionOutput, GenerationOutput
 from kiln.runtime.request import TokenLogprob
 
 from .generation import Generation
+from .logprobs import text_logprobs
 
 
 class Reply:
-    """Identity of one response (id, created, model) and where its usage is noted for the log line."""
+    """Identity of one response (id, created, model, the engine's fingerprint) and where its usage is noted for
+    the log line."""
 
-    def __init__(self, request: Request, model: str, prefix: str):
+    def __init__(self, request: Request, server, prefix: str):
         self.state = request.state
         self.id = f"{prefix}-{self.state.request_id}"
-        self.created, self.model = int(time.time()), model
+        self.created, self.model, self.fingerprint = int(time.time()), server.config.model_name, server.fingerprint
 
     def body(self, kind: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def usage(self, outputs: list[GenerationOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -85,7 +87,7 @@ def _delta(index: int, prompt_index: int, completion: CompletionOutput, sent: di
     state = sent.setdefault(index, _Sent())
     if state.finished:
         return None
-    logprobs = (completion.logprobs or [])[state.tokens:]
+    logprobs = text_logprobs(completion)[state.tokens:]
     state.tokens += len(logprobs)
     state.finished = completion.finish_reason is not None
     if not (first or completion.text_diff or logprobs or state.finished):

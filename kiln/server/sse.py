@@ -1,9 +1,11 @@
-"""Server-sent events: one `data: {json}` event per chunk, then `data: [DONE]`; an error during the stream is
-sent as an OpenAI error event. When the stream stops early (client gone, server stopping), its generation is
-aborted at once, so its KV blocks are freed without waiting for garbage collection."""
+"""Server-sent events: one `data: {json}` event per chunk, then `data: [DONE]`; an error during the stream
+(the server stopping, the engine failing, a bug) is sent as an OpenAI error event before `[DONE]`. When the
+stream stops early (client gone), its generation is aborted at once, so its KV blocks are freed without waiting
+for garbage collection."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import AsyncIterator
 
 from starlette.requests import ClientDisconnect
@@ -13,6 +15,7 @@ from .errors import APIError
 from .generation import Generation
 
 DONE = "data: [DONE]\n\n"
+logger = logging.getLogger("kiln.server")
 
 
 def event(data: dict) -> str:
@@ -32,8 +35,11 @@ class EventStream(StreamingResponse):
         except APIError as err:
             self.state.outcome = err.message
             yield event(err.body())
-        else:
-            yield DONE
+        except Exception as err:  # noqa: BLE001 - the client still gets an error event and the end of the stream
+            logger.exception("request_id=%s: the stream failed", self.state.request_id)
+            self.state.outcome = f"internal server error: {type(err).__name__}"
+            yield event(APIError(500, self.state.outcome, "internal_error").body())
+        yield DONE
         self.complete = True
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,5 +1,11 @@
-"""What every route of one server shares: the LLM, its settings, the queue, the metrics."""
+"""What every route of one server shares: the LLM, its settings, the queue, the metrics, and the worker thread
+that does the LLM's CPU work for requests (chat templates, tokenising, submitting) off the event loop."""
 from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
@@ -10,12 +16,30 @@ from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters of the vocabulary's longest token string, as the tokenizer stores it (a byte-level BPE stores
+    one character per byte): no token stands for more characters of text than that."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    return max(map(len, vocab()), default=1) if vocab is not None else None
+
+
 class ServerState:
     def __init__(self, llm, config: ServerConfig):
         self.llm, self.config = llm, config
         self.admission = Admission(llm.build_config.max_batch_size + config.max_queue)
         self.metrics = ServerMetrics(llm.stats, lambda: self.admission.active)
-        self.strings = TokenStrings(llm.tokenizer)
+        self.strings = TokenStrings(copy.deepcopy(llm.tokenizer))       # its own copy: used on the event loop
+        self.max_token_chars = longest_token_chars(llm.tokenizer)
+        self.fingerprint = f"fp_{llm.engine.hash[:12]}"
+        # One thread, so the LLM is called from one thread at a time, as when requests were submitted on the loop.
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="kiln-server")
+
+    async def offload(self, fn, *args):
+        """fn(*args) on the worker thread. A cancelled caller does not stop fn: it runs to its end, or not at all."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
 
     def model_card(self, created: int) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": created, "owned_by": "kiln",
@@ -26,6 +50,19 @@ class ServerState:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.config.model_name}'",
                            "model_not_found", "model")
 
+    def check_prompt_size(self, prompt: str | list[int], param: str) -> None:
+        """Refuse at once, before any tokenising, a prompt that cannot fit max_input_len: token ids by their
+        count; text by its length, as C characters are at least C / max_token_chars tokens."""
+        limit = self.llm.build_config.max_input_len
+        if isinstance(prompt, list) and len(prompt) > limit:
+            raise invalid(f"prompt has {len(prompt)} tokens, more than the engine's max_input_len={limit}", param,
+                          "context_length_exceeded")
+        longest = self.max_token_chars
+        if isinstance(prompt, str) and longest is not None and len(prompt) > limit * longest:
+            raise invalid(f"prompt has {len(prompt)} characters, so at least {-(-len(prompt) // longest)} tokens "
+                          f"(no token is longer than {longest} characters), more than the engine's "
+                          f"max_input_len={limit}", param, "context_length_exceeded")
+
     def note_prompt(self, request: Request, prompt, user: str | None) -> None:
         """Remember what the log line may show: the user id, and the prompt only with log_prompts."""
         request.state.user = user
@@ -33,7 +70,7 @@ class ServerState:
             request.state.prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
 
     def prompt_text(self, prompt: str | list[int]) -> str:
-        """A prompt as text (token ids are decoded), for echo."""
+        """A prompt as text (token ids are decoded), for echo; on the worker thread."""
         if isinstance(prompt, str):
             return prompt
         if self.llm.tokenizer is None:
