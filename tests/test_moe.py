@@ -188,6 +188,16 @@ def test_quantized_experts_shard_by_expert_or_by_slice(tiny_models, tp_mode):
             assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), tensor), name
 
 
+def test_quantized_experts_on_the_cpus_own_kernels(tiny_models, monkeypatch):
+    """CpuOps (the CPU's default: int4 attention layers in bf16) runs quantized experts through the reference loop;
+    its logits stay near the exact reference products'."""
+    model = _quantized_mixtral(tiny_models, "W4A16_AWQ", 0)
+    fast = _generate(model)
+    monkeypatch.setenv("KILN_CPU_OPS", "reference")
+    for out, ref in zip(fast, _generate(model)):
+        assert rel_err(out.context_logits, ref.context_logits) < 2e-2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8"])
 @pytest.mark.parametrize("tp_mode", [0, 1])

@@ -1,0 +1,94 @@
+"""The fused MoE layer (kiln/kernels/fused_moe.py) on Mixtral-8x7B's shapes (hidden 4096, intermediate 14336,
+8 experts, top-2), one GPU: per expert format and token count, GPU µs per layer (CUDA-graph replays, the whole
+launch sequence from the router's logits to the summed output), TB/s of the routed experts' bytes (weights, scales
+and zero points of every expert that gets a token, read once) and TFLOP/s (2·T·k·3·H·I).
+
+    python3 benchmarks/moe_bench.py [--tokens 1,16,128,1024,4096] [--formats bf16,fp8,int4] [--check]
+
+Formats: bf16, fp8 (e4m3 weights per channel, activations per token), fp8_static (one calibrated scale per
+projection), int8 (W8A16), int4 (W4A16 AWQ: groups of 128 with zero points), int4_sym (W4A16 GPTQ layout: groups
+of 128, no zero points). --check compares each layer with the float64 reference on its first 64 tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kiln import benchmark as bench  # noqa: E402
+from kiln.config import QuantConfig  # noqa: E402
+from kiln.kernels import quant, reference  # noqa: E402
+from kiln.kernels.fused_moe import fused_moe, moe_config  # noqa: E402
+from kiln.quantization import round_experts  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
+FORMATS = {"bf16": None, "fp8": "FP8_PER_CHANNEL_PER_TOKEN", "fp8_static": "FP8", "int8": "W8A16",
+           "int4": "W4A16_AWQ", "int4_sym": "W4A16_GPTQ"}
+
+
+def experts(algo: str | None, w: torch.Tensor, input_scale: float):
+    if algo is None:
+        return w
+    out = round_experts(w, QuantConfig(algo, group_size=128))
+    if algo == "FP8":
+        out["input_scale"] = torch.tensor([input_scale], device=w.device)
+    return out
+
+
+def routed_bytes(x: torch.Tensor, router: torch.Tensor, projections) -> int:
+    """Bytes of the experts that at least one token of x is routed to (every tensor of both projections)."""
+    _, chosen = reference.route(x, router, TOP_K, True)
+    used = chosen.unique().tolist()
+    total = 0
+    for w in projections:
+        tensors = w.values() if isinstance(w, dict) else [w]
+        total += sum(t[0].numel() * t.element_size() * len(used) for t in tensors if t.dim() > 1)
+    return total
+
+
+def check(x, router, gate_up, down, algo) -> float:
+    """Relative error of the fused layer against the float64 reference (tests/test_moe.py's oracle) on 64 tokens."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_moe import oracle_moe, rel_err
+
+    x = x[:64]
+    return rel_err(fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo),
+                   oracle_moe(x, router, gate_up, down, TOP_K, True, algo))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,16,128,1024,4096")
+    parser.add_argument("--formats", default="bf16,fp8,int4")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hw = bench.Hardware.measure(torch.device("cuda"))
+    print(f"{hw.name}: copy {hw.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s")
+    router = torch.randn(EXPERTS, HIDDEN, generator=g, device="cuda").bfloat16() / HIDDEN ** 0.5
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN ** 0.5).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g, device="cuda") / INTER ** 0.5).bfloat16()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    x_all = torch.randn(max(tokens), HIDDEN, generator=g, device="cuda").bfloat16()
+    print(f"{'format':>10} {'tokens':>6} {'block_m':>7} {'µs':>9} {'TB/s':>6} {'TFLOP/s':>8}" +
+          (f" {'rel.err':>8}" if args.check else ""))
+    for name in args.formats.split(","):
+        algo = FORMATS[name]
+        weights = (experts(algo, gate_up, 5.0 / quant.FP8_MAX), experts(algo, down, 2.0 / quant.FP8_MAX))
+        for t in tokens:
+            x = x_all[:t]
+            seconds = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
+            flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
+            line = (f"{name:>10} {t:>6} {moe_config(t, TOP_K, EXPERTS).block_m:>7} {seconds * 1e6:>9.1f} "
+                    f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
+            print(line + (f" {check(x, router, *weights, algo):>8.1e}" if args.check else ""), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
