@@ -43,6 +43,25 @@ def shape_config(name: str, dtype: str) -> PretrainedConfig:
     return PretrainedConfig(**SHAPES[name], dtype=dtype)
 
 
+def choose_device(device: str | None) -> torch.device:
+    """The device to benchmark on: `device`, or a CUDA GPU when one is visible and the CPU otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu or cuda") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU here; leave --device out (or give cpu) to "
+                         "benchmark on the CPU")
+    return chosen
+
+
+def default_dtype(device: torch.device) -> str:
+    """bfloat16 on GPUs; float32 on the CPU, whose float32 products are the fast ones."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str = "cuda", quiet: bool = True,
                   quant_config=None, tp_size: int = 1, pp_size: int = 1, rank: int = 0) -> Engine:
     """An engine of a real model's shape with random weights, made on `device` in seconds (quantized first when
@@ -257,7 +276,8 @@ def hf_baseline(model: str, dtype: str, batch: int, input_len: int, output_len: 
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+        if ids.is_cuda:
+            torch.cuda.synchronize()
 
     gen(4)
     start = time.perf_counter()

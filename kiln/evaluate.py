@@ -10,6 +10,11 @@ from kiln.builder import Engine
 from kiln.kernels import AttentionMetadata
 
 
+def window_size(engine: Engine, window: int | None) -> int:
+    """Tokens per scored window: `window` (default 512) within what the engine takes in one step."""
+    return min(window or 512, engine.build_config.max_input_len, engine.build_config.max_num_tokens)
+
+
 @torch.inference_mode()
 def window_log_probs(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
                      window: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -17,7 +22,7 @@ def window_log_probs(engine: Engine, token_ids: list[int], device: torch.device 
     predicts its tokens 2..n+1 from the ones before."""
     from kiln.runtime.model_runner import ModelRunner
 
-    window = min(window or 512, engine.build_config.max_input_len, engine.build_config.max_num_tokens)
+    window = window_size(engine, window)
     if len(token_ids) < 2:
         raise ValueError("perplexity needs a text of at least two tokens")
     runner = ModelRunner(engine, torch.device(device))
@@ -34,10 +39,14 @@ def window_log_probs(engine: Engine, token_ids: list[int], device: torch.device 
 
 
 def perplexity(engine: Engine, token_ids: list[int], device: torch.device | str = "cpu",
-               window: int | None = None) -> tuple[float, int]:
-    """(perplexity, number of predicted tokens)."""
+               window: int | None = None, quiet: bool = True) -> tuple[float, int]:
+    """(perplexity, number of predicted tokens); a progress bar over the windows unless quiet."""
+    from kiln.utils.steps import progress
+
     total, count = 0.0, 0
-    for log_probs, targets in window_log_probs(engine, token_ids, device, window):
+    windows = -(-(len(token_ids) - 1) // window_size(engine, window))
+    for log_probs, targets in progress(window_log_probs(engine, token_ids, device, window), "Scoring windows",
+                                       total=windows, quiet=quiet):
         total -= log_probs.gather(1, targets[:, None]).sum().item()
         count += len(targets)
     return math.exp(total / count), count

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import Engine
 from kiln.cli.main import build_main, main
@@ -78,16 +81,107 @@ def test_installed_scripts():
         assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
 
 
-def test_bench_throughput_runs_on_the_cpu_with_few_new_tokens(capsys):
+def test_bench_throughput_with_few_new_tokens_on_the_device_it_picks(capsys):
     """kiln bench throughput on a random SmolLM2-shaped engine: the warm-up (a wave and a half of the workload's
-    prompts) must fit the engine built for the workload, also when it asks for fewer new tokens than the warm-up's."""
-    assert main(["bench", "throughput", "--model", "smollm2-135m", "--dtype", "float32", "--device", "cpu",
-                 "--num_requests", "3", "--input_len", "8", "--output_len", "2", "--max_batch_size", "2",
-                 "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prompts) must fit the engine built for the workload, also when it asks for fewer new tokens than the warm-up's.
+    Without --device and --dtype it runs on the GPU, or on the CPU in float32 and says so."""
+    assert main(["bench", "throughput", "--model", "smollm2-135m", "--num_requests", "3", "--input_len", "8",
+                 "--output_len", "2", "--max_batch_size", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["num_requests"] == 3 and result["output_tokens"] == 6
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU is visible: running on the CPU in float32" in captured.err
+        assert result["dtype"] == "float32"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that is not there")
+def test_bench_on_cuda_without_a_gpu_is_a_clear_error(capsys):
+    assert main(["bench", "latency", "--model", "smollm2-135m", "--device", "cuda"]) == 2
+    assert "kiln bench: error: --device cuda: torch sees no CUDA GPU here" in capsys.readouterr().err
+
+
+def test_bench_dtype_belongs_to_model_builds(capsys):
+    assert main(["bench", "latency", "--engine_dir", "E", "--dtype", "float16", "--device", "cpu"]) == 2
+    assert "--dtype applies to --model" in capsys.readouterr().err
 
 
 def test_bench_quantize_lm_head_needs_a_quant_algo(capsys):
     assert main(["bench", "throughput", "--model", "smollm2-135m", "--device", "cpu", "--quantize_lm_head"]) == 2
     assert "--quantize_lm_head needs --quant_algo" in capsys.readouterr().err
+
+
+COMMANDS = ["convert", "build", "run", "demo", "bench", "eval", "serve"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_shows_defaults_and_examples(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = capsys.readouterr().out
+    assert help_text.startswith(f"usage: kiln {command} ")
+    assert "(default: " in help_text
+    assert f"  kiln {command}" in help_text.split("\nexamples:\n")[1]
+
+
+def test_help_shows_the_defaults_of_config_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Most requests in flight at once. (default: 8)" in help_text
+    assert "Return the logits of every prompt position. (default: disable)" in help_text
+    assert "--workers WORKERS ranks loaded and built at a time (default: 1)" in help_text
+
+
+def test_kiln_build_help_names_itself(capsys):
+    with pytest.raises(SystemExit):
+        build_main(["--help"])
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: kiln-build ") and "  kiln-build --checkpoint_dir CKPT" in help_text
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["build", "--checkpoint_dir", "C", "--max_batch_sise", "8"], "usage: kiln build ", "did you mean --max_batch_size?"),
+    (["run", "--engine_dir", "E", "--temprature=0.5", "hi"], "usage: kiln run ", "did you mean --temperature?"),
+    (["bench", "latency", "--model", "m", "--input-len", "8"], "usage: kiln bench ", "did you mean --input_len?"),
+])
+def test_a_mistyped_flag_gets_the_commands_usage_and_a_suggestion(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(usage) and hint in err and "unrecognized arguments" in err
+
+
+def test_kiln_build_suggests_too(capsys):
+    with pytest.raises(SystemExit):
+        build_main(["--checkpoint_dir", "C", "--tokens_per_blok", "16"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kiln-build ") and "did you mean --tokens_per_block?" in err
+
+
+def test_the_documented_build_file_builds_a_tiny_model(tiny_models, tmp_path):
+    """docs/build.yaml as written, with its model and output paths pointed at a tiny model and a temporary
+    directory: kiln build --config accepts it and the engine has its settings."""
+    text = (Path(__file__).parent.parent / "docs" / "build.yaml").read_text()
+    text, found = re.subn(r"(?m)^(  model_dir:) \S+", rf"\1 {tiny_models['llama'][0]}", text)
+    text, found_out = re.subn(r"(?m)^(  output_dir:) \S+", rf"\1 {tmp_path / 'engine'}", text)
+    assert found == found_out == 1
+    (tmp_path / "build.yaml").write_text(text)
+    assert main(["build", "--config", str(tmp_path / "build.yaml")]) == 0
+    engine = Engine.from_dir(tmp_path / "engine")
+    build = engine.build_config
+    assert (build.max_batch_size, build.max_input_len, build.max_seq_len, build.max_num_tokens) == (8, 256, 512, 1024)
+    assert engine.pretrained_config.dtype == "bfloat16"
+    assert engine.pretrained_config.quantization.quant_algo == "W8A16"
+
+
+def test_eval_ppl_shows_its_progress(ckpt, tmp_path, capsys):
+    assert main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e")]) == 0
+    capsys.readouterr()
+    text = Path(__file__).parent / "data" / "eval.txt"
+    assert main(["eval", "ppl", "--engine_dir", str(tmp_path / "e"), "--text", str(text), "--window", "64"]) == 0
+    from kiln.tokenizer import load_tokenizer
+
+    tokens = load_tokenizer(Engine.from_dir(tmp_path / "e").tokenizer_files).encode(text.read_text())
+    windows = -(-(len(tokens) - 1) // 64)
+    assert f"Scoring windows:   0%|          | 0/{windows}" in capsys.readouterr().err

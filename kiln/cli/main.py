@@ -9,15 +9,30 @@ import time
 
 from kiln.config import AutoParallelConfig, BuildConfig, ConvertConfig, LoraConfig, PluginConfig
 
-from .args import add_dataclass_args, parse_bool, pick
+from .args import HelpFormatter, add_dataclass_args, parse_bool, parse_with_suggestions, pick
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SKIP_CHECKSUM_HELP = "load the engine or Kiln checkpoint without verifying its files' checksums"
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
+def _command(sub, name: str, summary: str, *examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose help shows its flags' defaults and ends with examples."""
+    return sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter,
+                          epilog=_examples(*examples))
+
+
+def _examples(*examples: str) -> str:
+    return "examples:\n" + "\n".join(f"  {e}" for e in examples)
+
+
 def _convert_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face model (dir or GGUF) → Kiln checkpoint")
+    p = _command(sub, "convert", "Hugging Face model (dir or GGUF) → Kiln checkpoint",
+                 "kiln convert --model_dir HF_DIR --output_dir CKPT --dtype bfloat16",
+                 "kiln convert --model_dir HF_DIR --output_dir CKPT --use_weight_only --weight_only_precision int4_awq "
+                 "--per_group",
+                 "kiln convert --output_dir CKPT --vocab_size 1000 --n_layer 2 --n_head 4 --n_embd 64 --inter_size 128"
+                 "   # random weights")
     p.add_argument("--model_dir", help="HF model directory or GGUF file; omitted: a random-weight model "
                                        "of the shape given by --vocab_size, --n_layer, ...")
     p.add_argument("--output_dir", required=True, help="checkpoint directory to write")
@@ -26,6 +41,12 @@ def _convert_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output_dir even when it is not a Kiln checkpoint (its files are deleted)")
     p.set_defaults(fields=add_dataclass_args(p, ConvertConfig), handler=cmd_convert)
+
+
+BUILD_SUMMARY = "Kiln checkpoint (or HF model, or YAML build file) → engine"
+BUILD_EXAMPLES = ("--checkpoint_dir CKPT --output_dir ENGINE --max_batch_size 8 --max_input_len 512 --max_seq_len 1024",
+                  "--model_dir HF_DIR --output_dir ENGINE --dtype bfloat16",
+                  "--config docs/build.yaml   # model:, checkpoint: and build: sections in one file")
 
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +61,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="with --checkpoint_dir: load it without verifying its files' checksums")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="with --model_dir: weight dtype")
     p.add_argument("--gather_all_token_logits", nargs="?", const=True, type=parse_bool, default=False,
-                   help="same as --gather_context_logits --gather_generation_logits")
+                   metavar="enable|disable", help="same as --gather_context_logits --gather_generation_logits")
     p.add_argument("--workers", type=int, default=1, help="ranks loaded and built at a time")
     p.add_argument("--auto_parallel", type=int, default=1,
                    help="split an unsharded model over this many GPUs, choosing tp and pp (it says why)")
@@ -51,7 +72,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_parser(sub) -> None:
-    p = sub.add_parser("run", help="generate text with an engine (or any model Kiln can load)")
+    p = _command(sub, "run", "generate text with an engine (or any model Kiln can load)",
+                 'kiln run --engine_dir ENGINE "What is the capital of France?"',
+                 'kiln run --model_dir model.gguf --max_new_tokens 64 --temperature 0.7 --seed 1 "Tell me a joke."')
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine_dir", help="Kiln engine directory")
     src.add_argument("--model_dir", help="HF directory, GGUF file or Kiln checkpoint (built on the fly)")
@@ -64,9 +87,10 @@ def _run_parser(sub) -> None:
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_new_tokens", type=int,
                    help="most tokens to generate per prompt (default: 128, or the engine's max_output_len if lower)")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top_k", type=int)
-    p.add_argument("--top_p", type=float)
+    p.add_argument("--temperature", type=float, help="sampling temperature (default: greedy)")
+    p.add_argument("--top_k", type=int, help="sample among the k most likely tokens (default: all)")
+    p.add_argument("--top_p", type=float, help="sample among the most likely tokens holding this much probability "
+                                                "(default: all)")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--no_chat_template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--system", help="system message for the chat template")
@@ -74,27 +98,34 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="import the embedded SmolLM2-135M-Instruct, convert, build, and chat")
+    p = _command(sub, "demo", "import the embedded SmolLM2-135M-Instruct, convert, build, and chat",
+                 "kiln demo", 'kiln demo --work_dir demo/ "Name three rivers in Europe."')
     p.add_argument("--work_dir", help="where the checkpoint and engine go (default: a temporary directory)")
     _generation_args(p)
-    p.add_argument("prompt", nargs="*", default=["What is the capital of France? Answer in one sentence."])
+    p.add_argument("prompt", nargs="*", default=["What is the capital of France? Answer in one sentence."],
+                   help="one or more prompts")
     p.set_defaults(handler=cmd_demo)
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="throughput or latency of an engine (or a random-weight model of a real shape)")
-    p.add_argument("mode", choices=("throughput", "latency"))
+    p = _command(sub, "bench", "throughput or latency of an engine (or a random-weight model of a real shape)",
+                 "kiln bench latency --model smollm2-135m --num_requests 4 --input_len 32 --output_len 16",
+                 "kiln bench throughput --model llama-3.1-8b --num_requests 2048 --input_len 128 --output_len 128",
+                 "kiln bench throughput --engine_dir ENGINE --request_rate 20 --json")
+    p.add_argument("mode", choices=("throughput", "latency"),
+                   help="throughput: many requests at once (or at --request_rate); latency: one request at a time")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine_dir", help="a built engine")
     src.add_argument("--model", help="random weights of a named shape: llama-3.1-8b, llama-3.1-70b, mixtral-8x7b, "
                                      "smollm2-135m (built on the device in seconds)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
+    p.add_argument("--dtype", choices=DTYPES[1:],
+                   help="with --model: weight dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--quant_algo", help="with --model: quantize the random weights (W8A16, W4A16_AWQ, FP8, ...)")
     p.add_argument("--kv_cache_quant_algo", help="with --model: INT8 or FP8 KV cache")
     p.add_argument("--quantize_lm_head", action="store_true", help="with --model and --quant_algo: the LM head too")
     p.add_argument("--num_requests", type=int, default=512, help="throughput: requests (latency: iterations)")
-    p.add_argument("--input_len", type=int, default=128)
-    p.add_argument("--output_len", type=int, default=128)
+    p.add_argument("--input_len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output_len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--input_spread", type=float, default=0.0, help="input lengths drawn within ±spread×input_len")
     p.add_argument("--request_rate", type=float, help="requests per second (Poisson); default: all at once")
     p.add_argument("--max_batch_size", type=int, help="engine limit for --model builds (throughput default 512)")
@@ -104,7 +135,7 @@ def _bench_parser(sub) -> None:
                    help="schedule and launch each step while the device runs the previous one")
     p.add_argument("--use_custom_all_reduce", action="store_true",
                    help="with --model and --tp_size: symmetric-memory all-reduce for small messages")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible, else the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
     p.add_argument("--baseline", choices=("hf",), help="also run transformers generate on the same shape")
@@ -112,7 +143,9 @@ def _bench_parser(sub) -> None:
 
 
 def _eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate an engine (or any model Kiln can load)")
+    p = _command(sub, "eval", "evaluate an engine (or any model Kiln can load)",
+                 "kiln eval ppl --engine_dir ENGINE --text tests/data/eval.txt",
+                 "kiln eval ppl --model_dir model.gguf --text book.txt --window 1024")
     p.add_argument("metric", choices=("ppl",), help="ppl: perplexity on a text")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine_dir", help="Kiln engine directory")
@@ -126,10 +159,12 @@ def _eval_parser(sub) -> None:
 def _serve_parser(sub) -> None:
     from kiln.config import KvCacheConfig
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra: kiln[serve])")
+    p = _command(sub, "serve", "an OpenAI-compatible HTTP server (needs the serve extra: kiln[serve])",
+                 "kiln serve ENGINE --port 8000 --api_key SECRET",
+                 "kiln serve model.gguf --host 0.0.0.0 --served_model_name smollm2 --enable_chunked_context")
     p.add_argument("model", help="engine directory, Kiln checkpoint, HF directory or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served_model_name", "--served-model-name",
                    help="model id clients use (default: the model's file or directory name)")
     p.add_argument("--api_key", "--api-key", help="bearer token every /v1 route requires (default: $KILN_API_KEY)")
@@ -151,10 +186,16 @@ def _serve_parser(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="kiln", description="Kiln: build fast LLM inference engines and run them.",
+                                formatter_class=HelpFormatter,
+                                epilog="`kiln COMMAND --help` lists the command's flags with their defaults and "
+                                       "examples.\n\n" + _examples(
+                                           "kiln demo", "kiln convert --model_dir HF_DIR --output_dir CKPT",
+                                           "kiln build --checkpoint_dir CKPT --output_dir ENGINE",
+                                           'kiln run --engine_dir ENGINE "What is the capital of France?"'))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _convert_parser(sub)
-    add_build_args(sub.add_parser("build", help="Kiln checkpoint (or HF model, or YAML) → engine"))
+    add_build_args(_command(sub, "build", BUILD_SUMMARY, *(f"kiln build {e}" for e in BUILD_EXAMPLES)))
     _run_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)
@@ -439,11 +480,11 @@ def cmd_eval(args) -> None:
     path = Path(args.text)
     if not path.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
-    engine = load_engine(args.engine_dir or args.model_dir, quiet=True, device=device)
+    engine = load_engine(args.engine_dir or args.model_dir, device=device)
     tokenizer = load_tokenizer(engine.tokenizer_files)
     if tokenizer is None:
         raise ValueError("the engine has no tokenizer to turn the text into tokens")
-    ppl, count = perplexity(engine, tokenizer.encode(path.read_text()), device, args.window)
+    ppl, count = perplexity(engine, tokenizer.encode(path.read_text()), device, args.window, quiet=False)
     print(f"perplexity {ppl:.4f} over {count} tokens ({path.name})")
 
 
@@ -475,7 +516,7 @@ def cmd_bench(args) -> None:
     from kiln import LLM, Engine
     from kiln import benchmark as bench
 
-    device = torch.device(args.device)
+    device, model_dtype = _bench_device(args)
     if args.engine_dir and args.tp_size * args.pp_size > 1:
         raise ValueError("--tp_size/--pp_size apply to --model; a built engine carries its own parallelism")
     if args.engine_dir:
@@ -490,9 +531,9 @@ def cmd_bench(args) -> None:
             raise ValueError("--quantize_lm_head needs --quant_algo (the LM head is quantized like the other layers)")
         quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo,
                                    exclude_modules=excluded_modules(args.quantize_lm_head))
-        engine = bench.random_engine(args.model, args.dtype, build_config, device=str(device), quant_config=quant_config,
+        engine = bench.random_engine(args.model, model_dtype, build_config, device=str(device), quant_config=quant_config,
                                      tp_size=args.tp_size, pp_size=args.pp_size)
-        name, dtype = args.model, args.dtype
+        name, dtype = args.model, model_dtype
     hw = bench.Hardware.measure(device, getattr(torch, dtype))
     with LLM(engine, kv_cache_config=bench.default_kv_config(), device=device, quiet=args.json,
              enable_trt_overlap=args.enable_trt_overlap) as llm:
@@ -521,9 +562,24 @@ def cmd_bench(args) -> None:
         if args.engine_dir:
             raise ValueError("--baseline hf needs --model (a named shape)")
         batch = 1 if args.mode == "latency" else min(args.num_requests, 64)
-        base = bench.hf_baseline(args.model, args.dtype, batch, args.input_len, args.output_len, str(device))
+        base = bench.hf_baseline(args.model, model_dtype, batch, args.input_len, args.output_len, str(device))
         print(json.dumps(base) if args.json else f"transformers baseline (batch {batch}): "
                                                  f"{base['output_tok_s']:,.1f} output tok/s")
+
+
+def _bench_device(args):
+    """(device, dtype of a --model engine): a GPU in bfloat16 when one is visible, else the CPU in float32 (said
+    in one line); a --device or --dtype given is kept."""
+    from kiln import benchmark as bench
+
+    device = bench.choose_device(args.device)
+    if args.engine_dir and args.dtype:
+        raise ValueError("--dtype applies to --model; a built engine keeps the dtype it was built in")
+    dtype = args.dtype or bench.default_dtype(device)
+    if args.device is None and device.type == "cpu":
+        print(f"kiln bench: no CUDA GPU is visible: running on the CPU{'' if args.engine_dir else ' in ' + dtype} "
+              "(--device and --dtype choose)", file=sys.stderr)
+    return device, dtype
 
 
 def _plot(outputs, path: str) -> None:
@@ -544,19 +600,32 @@ def _plot(outputs, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`kiln-build`: `kiln build` under trtllm-build's name (it accepts trtllm-build's flags)."""
+    p = argparse.ArgumentParser(prog="kiln-build", description=f"{BUILD_SUMMARY} (kiln build, with trtllm-build's "
+                                "flag names)", formatter_class=HelpFormatter,
+                                epilog=_examples(*(f"kiln-build {e}" for e in BUILD_EXAMPLES)))
+    add_build_args(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        args.handler(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
-        print(f"kiln {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return _run(parser(), argv)
 
 
 def build_main(argv: list[str] | None = None) -> int:
     """`kiln-build`: trtllm-build's interface."""
-    return main(["build", *(sys.argv[1:] if argv is None else argv)])
+    return _run(build_parser(), argv)
+
+
+def _run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = parse_with_suggestions(p, argv)
+    try:
+        args.handler(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"{' '.join(filter(None, (p.prog, getattr(args, 'command', None))))}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
-"""Visible build steps: each prints its number, name and time, like the seed's ModelLoader."""
+"""Visible long steps: numbered build and load steps with their time, tqdm progress bars, and a ticking clock for
+steps that report no progress of their own."""
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
+
+TICK_AFTER_S = 2.0
+"""A step shows its running time once it has run this long (shorter steps print only their two lines)."""
 
 
 class StepLog:
-    """Announce numbered steps on stderr: `[2/4] Fuse weights ... 0.41 s`."""
+    """Announce numbered steps on stderr: `[2/4] Fuse weights ... 0.41 s`; a step still running after TICK_AFTER_S
+    shows how long it has run."""
 
     def __init__(self, title: str, total: int, quiet: bool = False):
         self.title, self.total, self.quiet = title, total, quiet
@@ -21,10 +27,12 @@ class StepLog:
     @contextlib.contextmanager
     def step(self, name: str):
         self.index += 1
-        self.say(f"{self.title} [{self.index}/{self.total}] {name}")
+        label = f"{self.title} [{self.index}/{self.total}]"
+        self.say(f"{label} {name}")
         t0 = time.perf_counter()
-        yield
-        self.say(f"{self.title} [{self.index}/{self.total}] done in {time.perf_counter() - t0:.2f} s")
+        with ticking(f"{label} running", self.quiet):
+            yield
+        self.say(f"{label} done in {time.perf_counter() - t0:.2f} s")
 
     def done(self) -> float:
         elapsed = time.perf_counter() - self.start
@@ -37,3 +45,33 @@ def progress(iterable, desc: str, total: int | None = None, quiet: bool = False)
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def ticking(desc: str, quiet: bool = False, after_s: float = TICK_AFTER_S):
+    """While the block runs, a line on stderr showing how long it has run (`desc 00:12`), from `after_s` on; for
+    work that cannot count its own progress (parsing a file, a library call)."""
+    if quiet:
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=_tick, args=(desc, after_s, stop), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _tick(desc: str, after_s: float, stop: threading.Event) -> None:
+    """ticking's clock: from after_s on, a tqdm line refreshed every second until `stop` is set."""
+    from tqdm import tqdm
+
+    if stop.wait(after_s):
+        return
+    bar = tqdm(desc=desc, bar_format="{desc} {elapsed}", leave=False, file=sys.stderr)
+    bar.start_t -= after_s
+    while not stop.wait(1.0):
+        bar.refresh()
+    bar.close()
