@@ -30,13 +30,15 @@ def test_fused_moe_matches_float64(algo, statics):
 
 @pytest.mark.parametrize("algo", [None, "W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
 def test_fused_moe_in_float16(algo):
-    """(float32 runs in the tiny Mixtral below.)"""
+    """(float32 runs in the tiny Mixtral below.) e4m3 dots accumulate as the tensor cores do by default (fast
+    accumulation: 2.8e-3 from float64 at one token, against 2e-4 for the other formats)."""
     from kiln.kernels.fused_moe import fused_moe
 
+    tolerance = 1e-2 if algo and algo.startswith("FP8") else TOLERANCE[torch.float16]
     for t in (1, 300):
         x, router, gate_up, down = moe_case(algo, None, t, 8, H, INTER, torch.float16, device=CUDA, seed=t)
         out = fused_moe(x, router, gate_up, down, 2, True, 0, algo)
-        assert rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo)) < TOLERANCE[torch.float16], t
+        assert rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo)) < tolerance, t
 
 
 @pytest.mark.parametrize("algo, statics", [(None, None), ("W4A16_GPTQ", None), *KERNEL_FORMATS[-2:]])

@@ -159,8 +159,12 @@ def test_moe_quantization_refusals(tiny_models):
         dataclasses.replace(model.config, quantization=QuantConfig("W4A16_AWQ", learned_rounding_steps=2))
     excluded = QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", exclude_modules=["lm_head", "gate_up_proj", "down_proj"])
     assert isinstance(dataclasses.replace(model.config, quantization=excluded), PretrainedConfig)
+
+
+def test_fused_moe_refuses_other_formats():
     pytest.importorskip("triton")
     from kiln.kernels.fused_moe import expert_weights
+
     with pytest.raises(ValueError, match="MoE experts run float, W8A16, W4A16\\* or FP8\\* weights"):
         expert_weights({"weight": torch.zeros(2, 4, 8), "weight_scale": torch.ones(2, 4)}, "W8A8_SQ_PER_CHANNEL")
 
@@ -186,6 +190,23 @@ def test_quantized_experts_shard_by_expert_or_by_slice(tiny_models, tp_mode):
         if ".moe." in name and "router" not in name:
             dim = 0 if tp_mode == 0 else 2 if "down_proj" in name else 1
             assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), tensor), name
+
+
+def test_kiln_convert_quantizes_and_shards_experts(tiny_models, tmp_path):
+    """`kiln convert` with int4 AWQ flags, two ranks, experts split by slice: each rank's checkpoint holds half of
+    every expert's gate/up rows and of down's packed inputs and group scales."""
+    from kiln.cli.main import main
+
+    hf_dir, _ = tiny_models["mixtral"]
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "c"), "--use_weight_only",
+                 "--weight_only_precision", "int4_awq", "--per_group", "--group_size", "32", "--calib_size", "2",
+                 "--tp_size", "2", "--moe_tp_mode", "1"]) == 0
+    rank1 = LlamaForCausalLM.from_checkpoint(tmp_path / "c", rank=1)
+    assert rank1.config.quantization.quant_algo == "W4A16_AWQ" and rank1.config.moe_tp_mode == 1
+    shapes = {name: tuple(t.shape) for name, t in rank1.weights.items() if name.startswith("layers.0.moe.")}
+    assert shapes["layers.0.moe.gate_proj.weight"] == (4, 64, 32)          # 128 rows / 2 ranks, 64 inputs / 2
+    assert shapes["layers.0.moe.down_proj.weight"] == (4, 64, 32)          # 128 inputs / 2 ranks, two to a byte
+    assert shapes["layers.0.moe.down_proj.weight_scale"] == (4, 64, 2)     # 4 groups of 32 / 2 ranks
 
 
 def test_quantized_experts_on_the_cpus_own_kernels(tiny_models, monkeypatch):

@@ -250,54 +250,64 @@ def _int_as(levels, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, rows, k0, K, W_STRIDE, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                 DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows `rows` (BLOCK_N,) over columns k0 .. k0 + BLOCK_K as the dot's right operand (BLOCK_K, BLOCK_N):
-    float or e4m3 values as stored, int8 levels in DTYPE, int4 levels in DTYPE (minus 8 without zero points;
-    a byte's low nibble is its even column)."""
-    if FORMAT == _INT4:
-        units = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ptrs = w_ptr + rows[:, None].to(tl.int64) * W_STRIDE + units[None, :]
-        if EVEN_K:
-            packed = tl.load(ptrs)
-        else:
-            packed = tl.load(ptrs, mask=(units < W_STRIDE)[None, :], other=0)
-        levels = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
-        if not HAS_ZERO:
-            levels -= 8
-        w = tl.trans(_int_as(levels, DTYPE))
+def _weight_tile(w_ptr, rows, k0, K, W_STRIDE, FORMAT: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Float, e4m3 or int8 weight rows `rows` (BLOCK_N,) over columns k0 .. k0 + BLOCK_K as the dot's right operand
+    (BLOCK_K, BLOCK_N): values as stored, int8 levels in DTYPE."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rows[None, :].to(tl.int64) * W_STRIDE + cols[:, None]
+    if EVEN_K:
+        w = tl.load(ptrs)
+    elif FORMAT == _INT8:
+        w = tl.load(ptrs, mask=(cols < K)[:, None], other=0)
     else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        ptrs = w_ptr + rows[None, :].to(tl.int64) * W_STRIDE + cols[:, None]
-        if EVEN_K:
-            w = tl.load(ptrs)
-        elif FORMAT == _INT8:
-            w = tl.load(ptrs, mask=(cols < K)[:, None], other=0)
-        else:
-            w = tl.load(ptrs, mask=(cols < K)[:, None], other=0.0)
-        if FORMAT == _INT8:
-            w = _int_as(w, DTYPE)
+        w = tl.load(ptrs, mask=(cols < K)[:, None], other=0.0)
+    if FORMAT == _INT8:
+        w = _int_as(w, DTYPE)
     return w
+
+
+@triton.jit
+def _int4_planes(w_ptr, rows, k0, W_STRIDE, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Packed int4 weight rows `rows` over columns k0 .. k0 + BLOCK_K as two right operands (BLOCK_K/2, BLOCK_N):
+    the even columns' levels (low nibbles) and the odd ones' (high), in DTYPE, minus 8 without zero points. Each
+    byte is loaded once and no value moves between lanes."""
+    units = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ptrs = w_ptr + rows[None, :].to(tl.int64) * W_STRIDE + units[:, None]
+    if EVEN_K:
+        packed = tl.load(ptrs)
+    else:
+        packed = tl.load(ptrs, mask=(units < W_STRIDE)[:, None], other=0)
+    low, high = (packed & 0xF).to(tl.int32), (packed >> 4).to(tl.int32)
+    if not HAS_ZERO:
+        low, high = low - 8, high - 8
+    return _int_as(low, DTYPE), _int_as(high, DTYPE)
 
 
 @triton.jit
 def _dot_step(acc, a, a_sum, w_ptr, s_ptr, z_ptr, rows, k0, K, W_STRIDE, GROUPS, FORMAT: tl.constexpr,
               GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a (BLOCK_M, BLOCK_K) times the weight rows' step; int4 groups get their scale (and zero point, as
-    z·Σa with a_sum = Σ over the step's columns of a) here, per-channel scales come at the end (_scaled). FP8
-    without fast accumulation adds each step's dot to acc in float32."""
-    w = _weight_tile(w_ptr, rows, k0, K, W_STRIDE, FORMAT, HAS_ZERO, EVEN_K, a.dtype, BLOCK_N, BLOCK_K)
-    if FORMAT == _INT4 and GROUP > 0:
-        part = tl.dot(a, w, input_precision=PRECISION)
-        at = rows * GROUPS + k0 // GROUP
-        if HAS_ZERO:
-            part -= a_sum[:, None] * tl.load(z_ptr + at)[None, :]
-        acc += part * tl.load(s_ptr + at)[None, :]
+              PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a (BLOCK_M, BLOCK_K) times the weight rows' step. int4: a's even and odd columns times the two planes
+    of levels, each group's scale (and zero point, as z·Σa with a_sum = Σ over the step's columns of a) applied
+    here, a per-channel scale at the end (_scaled) like int8's and FP8's. FP8 without fast accumulation adds each
+    step's dot to acc in float32."""
+    if FORMAT == _INT4:
+        low, high = _int4_planes(w_ptr, rows, k0, W_STRIDE, HAS_ZERO, EVEN_K, a.dtype, BLOCK_K)
+        a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
+        part = tl.dot(a_odd, high, tl.dot(a_even, low, input_precision=PRECISION), input_precision=PRECISION)
+        if GROUP > 0:
+            at = rows * GROUPS + k0 // GROUP
+            if HAS_ZERO:
+                part -= a_sum[:, None] * tl.load(z_ptr + at)[None, :]
+            part *= tl.load(s_ptr + at)[None, :]
+        acc += part
     elif FORMAT == _FP8 and not FAST_ACCUM:
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, _weight_tile(w_ptr, rows, k0, K, W_STRIDE, FORMAT, EVEN_K, a.dtype, BLOCK_K))
     else:
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, _weight_tile(w_ptr, rows, k0, K, W_STRIDE, FORMAT, EVEN_K, a.dtype, BLOCK_K), acc,
+                     input_precision=PRECISION)
     return acc
 
 
@@ -369,9 +379,9 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_p
         a = _rows_tile(x_ptr, tokens, valid, k0, K, EVEN_K, BLOCK_K)
         a_sum, a_total = _row_sums(a, a_total, FORMAT, GROUP, HAS_ZERO)
         gate = _dot_step(gate, a, a_sum, w_ptr, s_ptr, z_ptr, rows, k0, K, W_STRIDE, GROUPS, FORMAT, GROUP,
-                         HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_N, BLOCK_K)
+                         HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_K)
         up = _dot_step(up, a, a_sum, w_ptr, s_ptr, z_ptr, rows + INTER, k0, K, W_STRIDE, GROUPS, FORMAT, GROUP,
-                       HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_N, BLOCK_K)
+                       HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_K)
     a_scale = a_total
     if FORMAT == _FP8:
         a_scale = tl.load(x_scale_ptr + tokens)
@@ -409,7 +419,7 @@ def _down_kernel(act_ptr, act_scale_ptr, sorted_ptr, block_expert_ptr, weights_p
         a = _rows_tile(act_ptr, slots, every, k0, K, EVEN_K, BLOCK_K)
         a_sum, a_total = _row_sums(a, a_total, FORMAT, GROUP, HAS_ZERO)
         acc = _dot_step(acc, a, a_sum, w_ptr, s_ptr, z_ptr, rows, k0, K, W_STRIDE, GROUPS, FORMAT, GROUP,
-                        HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_N, BLOCK_K)
+                        HAS_ZERO, EVEN_K, FAST_ACCUM, PRECISION, BLOCK_K)
     a_scale = a_total
     if FORMAT == _FP8:
         a_scale = tl.load(act_scale_ptr + slots * ACT_SCALE_STRIDE)
@@ -438,9 +448,9 @@ def _sum_top_k_kernel(partial_ptr, ids_ptr, out_ptr, T, N, FIRST, EXPERTS, TOP_K
 # --- launchers --------------------------------------------------------------------------------------------------
 def _tile(tile: MoeTile, w: ExpertWeights) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of `tile` for this projection: no wider than its shape needs, a step within one int4
-    group, at least 16 deep (32 for e4m3 dots)."""
+    group, at least 16 deep (32 for e4m3 dots and for int4's two dots of half a step each)."""
     block_n = max(16, min(tile.block_n, triton.next_power_of_2(w.out_features)))
-    block_k = max(32 if w.format == FP8 else 16, min(tile.block_k, triton.next_power_of_2(w.in_features)))
+    block_k = max(16 if w.format in (FLOAT, INT8) else 32, min(tile.block_k, triton.next_power_of_2(w.in_features)))
     return block_n, min(block_k, w.group) if w.group else block_k
 
 
