@@ -14,13 +14,14 @@ import torch
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
 from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
-from kiln.distributed import launched_rank, rank_device, serve_steps
+from kiln.distributed import launched_rank, rank_device
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import GenerationExecutor, GenerationResult
 from kiln.runtime.outputs import GenerationOutput
 from kiln.runtime.request import Request
 from kiln.runtime.sampling import DecodingMode, SamplingConfig
+from kiln.runtime.workers import STOP, Workers, check_runnable, join_ranks, serve_steps
 from kiln.tokenizer import eos_token_ids, load_tokenizer
 from kiln.utils.fs import exists_or_recovered
 
@@ -217,8 +218,6 @@ class LLM:
         their shards themselves (from the engine directory, saved first when the engine was built here)."""
         import dataclasses
 
-        from kiln.distributed import Workers, check_runnable, init_process_group
-
         mapping = self.engine.pretrained_config.mapping
         check_runnable(self.engine, self.device)
         if launched:
@@ -227,7 +226,7 @@ class LLM:
             self._workers = Workers(self._rank_loader(model), mapping.world_size, self.device.type, parallel.timeout_s)
             init_method = self._workers.init_method
         self.engine.weights = {0: self.engine.weights[0]}
-        self._parallel = init_process_group(self.engine, self.device, init_method, parallel.timeout_s)
+        self._parallel = join_ranks(self.engine, self.device, init_method, parallel.timeout_s)
         self._parallel.broadcast(dataclasses.asdict(kv_cache_config))
 
     def _rank_loader(self, model):
@@ -388,7 +387,7 @@ class LLM:
         self._workers = self._parallel = None
         if parallel is not None and (workers is None or workers.failure() is None):
             try:
-                parallel.broadcast_step(None)
+                parallel.broadcast(STOP)
             except Exception:  # noqa: BLE001 - a rank already gone: stop() below ends the rest
                 pass
         if workers is not None:

@@ -11,7 +11,7 @@ from conftest import save_tiny_model, tiny_hf_configs
 from kiln import LLM, BuildConfig, SamplingConfig
 from kiln.cli.main import main
 from kiln.config import Mapping, ParallelConfig
-from kiln.distributed.auto import choose_parallelism
+from kiln.builder.auto_parallel import choose_parallelism
 from kiln.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,8 @@ def test_torchrun_runs_the_same_engine(tiny_models, tmp_path):
 
 
 def test_worker_rank_as_its_own_program(tiny_models, tmp_path):
-    """Rank 0 runs a program over the engine; rank 1 runs `python -m kiln.distributed ENGINE` (as on another host)."""
+    """Rank 0 runs a program over the engine; rank 1 runs `python -m kiln.runtime.workers ENGINE` (as on another
+    host)."""
     import os
     import subprocess
     import sys
@@ -170,7 +171,7 @@ def test_worker_rank_as_its_own_program(tiny_models, tmp_path):
     script = tmp_path / "generate.py"
     script.write_text(LAUNCHED_SCRIPT.format(prompts=PROMPTS))
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    worker = subprocess.Popen([sys.executable, "-m", "kiln.distributed", engine_dir], env=dict(env, RANK="1"),
+    worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.workers", engine_dir], env=dict(env, RANK="1"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     main_rank = subprocess.run([sys.executable, str(script), engine_dir], env=dict(env, RANK="0"),
                                capture_output=True, text=True, timeout=300)
@@ -191,7 +192,7 @@ def test_launched_rank_needs_a_matching_engine(tiny_models, tmp_path, monkeypatc
 
 
 def test_pipeline_micro_batches_split_whole_sequences():
-    from kiln.distributed import Step, split_step
+    from kiln.runtime.step import Step, split_step
 
     starts = [0, 6, 7, 8, 14]
     step = Step([(1, 2)], list(range(14)), list(range(14)), list(range(14)), starts, [6, 3, 3, 9],

@@ -48,7 +48,7 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
         raise ValueError("PluginConfig.use_custom_all_reduce needs tensor parallelism (tp_size > 1)")
     if build_config.input_timing_cache or build_config.output_timing_cache:
         raise ValueError("timing caches come from compiling the kernels on a GPU: use `kiln build` there, or "
-                         "kiln.runtime.kernel_cache.compile_kernels(engine) after build()")
+                         "kiln.runtime.precompile.compile_kernels(engine) after build()")
     if build_config.visualize_network and build_config.profiling_verbosity == "none":
         raise ValueError("BuildConfig.visualize_network needs profiling_verbosity layer_names_only or detailed")
     if not build_config.strongly_typed:
@@ -98,7 +98,7 @@ def build_auto_parallel(model: PretrainedModel, build_config: BuildConfig, world
                         max_memory_bytes: int | None = None, quiet: bool = False, workers: int = 1) -> Engine:
     """Choose tp × pp for `world_size` ranks (and a per-rank memory limit), say why, shard and build; with
     build_config.auto_parallel_config.debug_mode, print every candidate of the search."""
-    from kiln.distributed.auto import choose_parallelism, describe_search
+    from .auto_parallel import choose_parallelism, describe_search
 
     if model.config.mapping.world_size > 1:
         raise ValueError("auto_parallel needs an unsharded model or checkpoint; this one is already sharded")

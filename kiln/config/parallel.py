@@ -16,7 +16,7 @@ class ParallelConfig:
     pp_size: int = 1
     """Pipeline stages."""
     auto_parallel: bool = False
-    """Choose tp_size and pp_size for world_size ranks (kiln.distributed.auto.choose_parallelism)."""
+    """Choose tp_size and pp_size for world_size ranks (kiln.builder.auto_parallel.choose_parallelism)."""
     world_size: int = 1
     """With auto_parallel: the number of ranks to use. Without it, tp_size × pp_size is the world size: any other
     value than 1 or that product is refused."""

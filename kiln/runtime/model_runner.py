@@ -15,10 +15,10 @@ from kiln.models import model_class
 
 from . import sampler
 from .beam_search import beams_to_keep
+from .kernel_cache import count_entries, install
 from .request import PENDING_TOKEN, Request, Sequence
-from kiln.distributed import Step, split_step
-
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
+from .step import Step, split_step
 
 PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program covers this many keys
 BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
@@ -108,7 +108,6 @@ class ModelRunner:
         self.graphs = None
         self.kernel_dir = None
         if device.type == "cuda" and engine.kernel_cache:
-            from .kernel_cache import count_entries, install
             self.kernel_dir = install(engine.kernel_cache)
             self._kernels_before = count_entries(self.kernel_dir)
         self.kernels_compiled_at_load: int | None = None
@@ -151,7 +150,6 @@ class ModelRunner:
             print(f"note: rank {self.parallel.rank}: decode steps run without CUDA graphs (capturing them with "
                   f"the collectives failed{': ' + failure if failure else ' on another rank'})", file=sys.stderr)
         if self.kernel_dir is not None:
-            from .kernel_cache import count_entries
             self.kernels_compiled_at_load = count_entries(self.kernel_dir) - self._kernels_before
 
     def _graph_parts(self, batch: int, max_seq_len: int) -> tuple[int, int | None]:
@@ -224,7 +222,7 @@ class ModelRunner:
                     max(n for _, _, n in out.scheduled), max(seq_lens),
                     [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
         if self.parallel is not None:
-            self.parallel.broadcast_step(step)
+            self.parallel.broadcast(step)
         fill = self._pending_inputs(out, starts, previous)
         logits = self.run_step(step, fill)                                            # (rows, V)
         launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits)
