@@ -368,7 +368,7 @@ def _compile_gpu_kernels(engine, quiet: bool) -> None:
         return
     if build.dry_run:
         return
-    from kiln.runtime.kernel_cache import compile_kernels
+    from kiln.runtime.precompile import compile_kernels
 
     start = time.perf_counter()
     count = compile_kernels(engine)
