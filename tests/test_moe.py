@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.config import Mapping, ParallelConfig, PretrainedConfig, QuantConfig
+from kiln.convert import convert
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant, reference
 from kiln.models import LlamaForCausalLM
 
@@ -131,8 +132,7 @@ def test_quantized_mixtral_round_trip(tiny_models, tmp_path, algo):
     exactly, logits stay within the mode's tolerance of transformers' float model, and weight-only modes give the
     greedy tokens (and logits) of the float model made of their dequantized weights."""
     hf_dir, hf_model = tiny_models["mixtral"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(algo, group_size=32), calib_size=2,
-                                               quiet=True)
+    model = convert(hf_dir, quant_config=QuantConfig(algo, group_size=32), calib_size=2, quiet=True)
     assert model.weights["layers.0.moe.gate_proj.weight"].shape[:2] == (4, 128)
     model.save_checkpoint(tmp_path / "ckpt")
     reloaded = LlamaForCausalLM.from_checkpoint(tmp_path / "ckpt")

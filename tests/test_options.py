@@ -22,6 +22,7 @@ from kiln import LLM, build
 from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraConfig,
                          Mapping, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig,
                          field_docs)
+from kiln.convert import quantize
 from kiln.models import model_class
 from kiln.runtime.sampling import SamplingConfig
 from kiln.server.config import ServerConfig
@@ -257,14 +258,14 @@ def use_model_section(section: ModelSection, env) -> None:
 def use_pretrained_config(config: PretrainedConfig, env) -> None:
     """A random-weight model of this config (quantized as it says), built, and (one rank) run."""
     plain = dataclasses.replace(config, quantization=QuantConfig())
-    model = _model(plain).quantized(object.__getattribute__(config, "quantization"), calib_size=2, quiet=True)
+    model = quantize(_model(plain), object.__getattribute__(config, "quantization"), calib_size=2, quiet=True)
     engine = build(model, BuildConfig(**SMALL), quiet=True)
     if engine.pretrained_config.mapping.world_size == 1:
         _generate(engine)
 
 
 def use_quant_config(config: QuantConfig, env) -> None:
-    model = _model().quantized(config, calib_size=2, quiet=True)
+    model = quantize(_model(), config, calib_size=2, quiet=True)
     _generate(build(model, BuildConfig(**SMALL), quiet=True))
 
 

@@ -9,9 +9,10 @@ import torch
 
 from conftest import save_tiny_model, tiny_hf_configs
 from kiln import LLM, BuildConfig, SamplingConfig
+from kiln.builder.auto_parallel import choose_parallelism
 from kiln.cli.main import main
 from kiln.config import Mapping, ParallelConfig
-from kiln.builder.auto_parallel import choose_parallelism
+from kiln.convert import convert
 from kiln.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -287,8 +288,7 @@ def test_quantized_models_shard(tiny_models, algo, kv, tolerance, monkeypatch):
     monkeypatch.setenv("KILN_CPU_OPS", "reference")
 
     hf_dir, _ = tiny_models["llama"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32),
-                                               calib_size=2, quiet=True)
+    model = convert(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32), calib_size=2, quiet=True)
     build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128, gather_context_logits=True)
     with LLM(model, build_config=build, quiet=True) as llm:
         reference = _outputs(llm)
@@ -305,7 +305,6 @@ def test_int4_groups_may_not_straddle_ranks(tiny_models):
     from kiln.config import QuantConfig
 
     hf_dir, _ = tiny_models["llama"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig("W4A16_AWQ", group_size=64),
-                                               calib_size=2, quiet=True)
+    model = convert(hf_dir, quant_config=QuantConfig("W4A16_AWQ", group_size=64), calib_size=2, quiet=True)
     with pytest.raises(ValueError, match=r"attention output inputs per rank \(32\) are not a multiple of 64"):
         model.shard(Mapping(2, 0, 2, 1))

@@ -8,6 +8,7 @@ import torch
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.cli.main import main
 from kiln.config import ConvertConfig, QuantConfig
+from kiln.convert import convert
 from kiln.kernels import quant
 from kiln.models import LlamaForCausalLM
 from kiln.quantization import quantize_model
@@ -76,8 +77,7 @@ def test_int4_groups_with_a_short_last_group_and_float_zero_points():
 @pytest.mark.parametrize("algo, kv", MODES)
 def test_round_trip_every_mode(tiny_models, tmp_path, algo, kv):
     hf_dir, hf_model = tiny_models["llama"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32),
-                                               calib_size=2, quiet=True)
+    model = convert(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32), calib_size=2, quiet=True)
     model.save_checkpoint(tmp_path / "ckpt")
     reloaded = LlamaForCausalLM.from_checkpoint(tmp_path / "ckpt")
     assert reloaded.config.quantization == model.config.quantization
@@ -106,7 +106,7 @@ def test_convert_flags_and_bad_combinations(tiny_models, tmp_path, capsys):
     assert "quantizes per group: add per_group" in capsys.readouterr().err
     mixtral_dir, _ = tiny_models["mixtral"]
     with pytest.raises(ValueError, match="MoE experts take W8A16, W4A16\\*, FP8\\* or no weight quantization"):
-        LlamaForCausalLM.from_hugging_face(mixtral_dir, quant_config=QuantConfig("W8A8_SQ_PER_CHANNEL"), quiet=True)
+        convert(mixtral_dir, quant_config=QuantConfig("W8A8_SQ_PER_CHANNEL"), quiet=True)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(LlamaForCausalLM.from_checkpoint(tmp_path / "c"), QuantConfig("W8A16"))
     with pytest.raises(ValueError, match="choose one of use_weight_only, smoothquant, use_fp8"):
@@ -115,8 +115,7 @@ def test_convert_flags_and_bad_combinations(tiny_models, tmp_path, capsys):
 
 def test_beam_search_on_a_quantized_cache(tiny_models):
     hf_dir, _ = tiny_models["qwen2"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quant_config=QuantConfig(kv_cache_quant_algo="INT8"),
-                                               calib_size=2, quiet=True)
+    model = convert(hf_dir, quant_config=QuantConfig(kv_cache_quant_algo="INT8"), calib_size=2, quiet=True)
     build_config = BuildConfig(max_batch_size=2, max_beam_width=4, max_input_len=32, max_seq_len=64)
     with LLM(model, build_config=build_config, quiet=True) as llm:
         out = llm.generate(list(range(10, 30)), SamplingConfig(max_new_tokens=8, num_beams=4, end_id=-1))

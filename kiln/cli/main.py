@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -206,26 +205,14 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_convert(args) -> None:
     from kiln.checkpoint.io import CHECKPOINT_FORMAT
-    from kiln.models import LlamaForCausalLM
-
-    from kiln.config import Mapping
+    from kiln.convert import convert_checkpoint
 
     convert = ConvertConfig(**pick(args, args.fields))
     _check_output_dir(args.output_dir, CHECKPOINT_FORMAT, args.overwrite, args.model_dir)
-    mapping = Mapping(convert.tp_size * convert.pp_size, 0, convert.tp_size, convert.pp_size)
-    if convert.load_by_shard and mapping.world_size > 1 and args.model_dir:
-        _convert_by_shard(args.model_dir, args.dtype, convert, mapping, args.output_dir, args.overwrite)
-        print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s), read by shard)")
-        return
-    if args.model_dir:
-        model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, convert_config=convert)
-    else:
-        model = LlamaForCausalLM.from_convert_config(convert, args.dtype, seed=args.seed)
-    _check_embedding_sharing(convert, model.config)
-    model.config = dataclasses.replace(model.config, **convert.parallel_fields())
-    model.save_checkpoint(args.output_dir, save_config_only=convert.save_config_only, mapping=mapping,
-                          workers=convert.workers, overwrite=args.overwrite)
-    print(f"checkpoint written to {args.output_dir} ({mapping.world_size} rank(s))")
+    convert_checkpoint(args.model_dir, args.output_dir, args.dtype, convert, args.seed, args.overwrite)
+    world = convert.tp_size * convert.pp_size
+    how = ", read by shard" if convert.load_by_shard and world > 1 else ""
+    print(f"checkpoint written to {args.output_dir} ({world} rank(s){how})")
 
 
 def _check_output_dir(output_dir: str, kiln_format: str, overwrite: bool, source: str | None) -> None:
@@ -234,36 +221,6 @@ def _check_output_dir(output_dir: str, kiln_format: str, overwrite: bool, source
     from kiln.utils.fs import check_output_dir
 
     check_output_dir(output_dir, kiln_format, overwrite, [source] if source else [])
-
-
-def _check_embedding_sharing(convert: ConvertConfig, config) -> None:
-    if convert.use_embedding_sharing and not config.tie_word_embeddings:
-        raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
-
-
-def _convert_by_shard(model_dir: str, dtype: str, convert: ConvertConfig, mapping, output_dir: str,
-                      overwrite: bool) -> None:
-    """Each rank read on its own from the HF directory (load_by_shard), `convert.workers` ranks at a time."""
-    from kiln.checkpoint import save_checkpoint
-
-    rank_model = _rank_reader(model_dir, dtype, convert, mapping, quiet=False)
-    first = rank_model(0)
-    ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
-    save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files, config_only=convert.save_config_only,
-                    workers=convert.workers, overwrite=overwrite)
-
-
-def _rank_reader(model_dir: str, dtype: str, convert: ConvertConfig, mapping, quiet: bool):
-    """rank → that rank's share of the HF directory, read a tensor at a time (load_by_shard)."""
-    from kiln.models import LlamaForCausalLM
-
-    def rank_model(rank: int):
-        model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping=mapping.for_rank(rank),
-                                                   convert_config=convert, quiet=quiet or rank > 0)
-        _check_embedding_sharing(convert, model.config)
-        return model
-
-    return rank_model
 
 
 def build_config_from_args(args) -> BuildConfig:
@@ -382,7 +339,7 @@ def _from_build_file(args, quiet: bool):
     (random weights of its shape without model_dir, quantized by its flags; read by shard with load_by_shard)."""
     from kiln.builder import build_all_ranks
     from kiln.config import Mapping, load_build_file
-    from kiln.models import LlamaForCausalLM
+    from kiln.convert import convert as convert_model, rank_reader
 
     given = list(pick(args, args.build_fields + args.plugin_fields + args.lora_fields))
     given += [f"--{n}" for n, default in (("output_dir", None), ("dtype", "auto"), ("gather_all_token_logits", False))
@@ -398,15 +355,10 @@ def _from_build_file(args, quiet: bool):
     if convert.load_by_shard and mapping.world_size > 1 and model_dir:
         if build_config.auto_parallel_config.enabled:
             raise ValueError("give either the checkpoint's tp_size/pp_size or auto_parallel, not both")
-        engine = build_all_ranks(_rank_reader(model_dir, spec.model.dtype, convert, mapping, quiet),
+        engine = build_all_ranks(rank_reader(model_dir, spec.model.dtype, convert, quiet),
                                  mapping.world_size, build_config, quiet, convert.workers)
         return engine, build_config, spec.model.output_dir
-    if model_dir:
-        model = LlamaForCausalLM.from_hugging_face(model_dir, spec.model.dtype, convert_config=convert, quiet=quiet)
-    else:
-        model = LlamaForCausalLM.from_convert_config(convert, spec.model.dtype, quiet=quiet)
-    _check_embedding_sharing(convert, model.config)
-    model.config = dataclasses.replace(model.config, **convert.parallel_fields())
+    model = convert_model(model_dir, spec.model.dtype, convert, quiet=quiet)
     engine = _build_model(model, build_config, convert.tp_size, convert.pp_size, quiet, convert.workers)
     return engine, build_config, spec.model.output_dir
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from kiln.checkpoint import (check_weights, checkpoint_shapes, is_hf_dir, load_checkpoint, read_source_config,
                              read_source_weights, save_checkpoint)
 from kiln.checkpoint.hf import config_from_hf_dict, convert_hf_tensors
-from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
+from kiln.config import Mapping, PretrainedConfig
 from kiln.utils.steps import StepLog, progress
 
 
@@ -29,34 +30,21 @@ class PretrainedModel:
 
     @classmethod
     def from_hugging_face(cls, model_dir: str | Path, dtype: str = "auto", mapping: Mapping | None = None,
-                          quant_config: QuantConfig | None = None, convert_config: ConvertConfig | None = None,
-                          quiet: bool = False, calib_size: int = 16):
+                          quiet: bool = False,
+                          prepare_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None):
         """Load an HF model directory (safetensors or .bin, sharded or not), a GGUF file (dequantised), or an
-        in-memory transformers model (its tensors are used as they are, on their device); then quantize it when
-        `quant_config` (or `convert_config`'s quantization flags) asks for it, calibrating on calib_size
-        sequences of Kiln's calibration text. With a `mapping` of several ranks only that rank's share of an HF
-        directory is read, a tensor at a time (the load_by_shard path: host memory stays at one rank's weights)."""
-        mapping = mapping or Mapping()
-        if convert_config is not None and quant_config is None:
-            quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
-        if mapping.world_size > 1:
-            if quant_config is not None and quant_config.enabled:
-                raise ValueError("quantizing needs the whole model (calibration): convert without a mapping or "
-                                 "load_by_shard, or quantize first and shard the result")
-            return cls._load_rank(model_dir, dtype, mapping, convert_config, quiet)
-        return cls._load_hugging_face(model_dir, dtype, convert_config, quiet).quantized(quant_config, calib_size, quiet)
-
-    def quantized(self, quant_config: QuantConfig | None, calib_size: int = 16, quiet: bool = False):
-        """This model quantized as `quant_config` asks (calibrated on calib_size sequences); itself when it asks
-        for nothing."""
-        if quant_config is None or not quant_config.enabled:
-            return self
-        from kiln.quantization import quantize_model
-
-        return quantize_model(self, quant_config, calib_size, quiet)
+        in-memory transformers model (its tensors are used as they are, on their device), as it is (kiln.convert
+        loads and quantizes). With a `mapping` of several ranks only that rank's share of an HF directory is read,
+        a tensor at a time (the load_by_shard path: host memory stays at one rank's weights). `prepare_config`
+        is called with the model's config before any weight is read and returns the config to load with
+        (kiln.convert checks a ConvertConfig's shape fields there and sets its parallel fields)."""
+        prepare_config = prepare_config or (lambda config: config)
+        if mapping is not None and mapping.world_size > 1:
+            return cls._load_rank(model_dir, dtype, mapping, prepare_config, quiet)
+        return cls._load_hugging_face(model_dir, dtype, prepare_config, quiet)
 
     @classmethod
-    def _load_rank(cls, model_dir, dtype: str, mapping: Mapping, convert_config: ConvertConfig | None, quiet: bool):
+    def _load_rank(cls, model_dir, dtype: str, mapping: Mapping, prepare_config, quiet: bool):
         """Only `mapping.rank`'s share of an HF directory, read a tensor at a time (load_by_shard)."""
         import dataclasses
 
@@ -65,23 +53,18 @@ class PretrainedModel:
 
         if hasattr(model_dir, "state_dict") or not (Path(model_dir).is_dir() and is_hf_dir(Path(model_dir))):
             raise ValueError(f"loading one rank's share (load_by_shard) needs a Hugging Face directory, got {model_dir!r}")
-        config = read_source_config(model_dir, dtype)
-        if convert_config is not None:
-            convert_config.check_against(config, str(model_dir))
-            config = dataclasses.replace(config, **convert_config.parallel_fields())
+        config = prepare_config(read_source_config(model_dir, dtype))
         weights = read_hf_rank_weights(model_dir, config, mapping, lambda it, desc: progress(it, desc, quiet=quiet))
         return cls(dataclasses.replace(config, mapping=mapping), weights, read_tokenizer_files(Path(model_dir)),
                    source=f"{model_dir} (rank {mapping.rank})")
 
     @classmethod
-    def _load_hugging_face(cls, model_dir, dtype: str, convert_config: ConvertConfig | None, quiet: bool):
+    def _load_hugging_face(cls, model_dir, dtype: str, prepare_config, quiet: bool):
         if hasattr(model_dir, "state_dict") and hasattr(model_dir, "config"):
-            return cls._from_transformers_model(model_dir, dtype)
+            return cls._from_transformers_model(model_dir, dtype, prepare_config)
         log = StepLog("Load", 2, quiet)
         with log.step(f"Read the model config of {model_dir}"):
-            config = read_source_config(model_dir, dtype)
-            if convert_config is not None:
-                convert_config.check_against(config, str(model_dir))
+            config = prepare_config(read_source_config(model_dir, dtype))
         with log.step(f"Load {config.architecture} weights ({config.dtype}) into the Kiln layout"):
             weights, tokenizer_files = read_source_weights(
                 model_dir, config, lambda it, desc: progress(it, desc, quiet=quiet))
@@ -92,12 +75,12 @@ class PretrainedModel:
     from_pretrained = from_hugging_face
 
     @classmethod
-    def _from_transformers_model(cls, hf_model, dtype: str):
+    def _from_transformers_model(cls, hf_model, dtype: str, prepare_config):
         raw = hf_model.config.to_dict()
         raw["architectures"] = raw.get("architectures") or [type(hf_model).__name__]
         if dtype == "auto":
             dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
-        config = config_from_hf_dict(raw, dtype, f"{type(hf_model).__name__} config")
+        config = prepare_config(config_from_hf_dict(raw, dtype, f"{type(hf_model).__name__} config"))
         state = hf_model.state_dict()
         weights = convert_hf_tensors(((name, t, "state_dict") for name, t in state.items()), config)
         return cls(config, weights, source=type(hf_model).__name__)
@@ -120,14 +103,6 @@ class PretrainedModel:
             else:
                 weights[name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
         return cls(config, weights, source="random weights")
-
-    @classmethod
-    def from_convert_config(cls, convert_config: ConvertConfig, dtype: str = "auto", seed: int = 0,
-                            quiet: bool = False):
-        """A random-weight model of the shape `convert_config` describes (no model directory), quantized as its
-        flags ask, exactly as from_hugging_face quantizes a real model with the same flags."""
-        model = cls.random(convert_config.random_model_config(dtype), seed=seed)
-        return model.quantized(convert_config.quant_config(), convert_config.calib_size, quiet)
 
     def save_checkpoint(self, out_dir: str | Path, save_config_only: bool = False, mapping: Mapping | None = None,
                         workers: int = 1, overwrite: bool = False) -> Path:

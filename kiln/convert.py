@@ -1,0 +1,99 @@
+"""Converting a model into a Kiln checkpoint: load (kiln.models) → quantize (kiln.quantization) → save.
+
+    model = convert("path/to/hf", "bfloat16", quant_config=QuantConfig("W4A16_AWQ", group_size=128))
+    model.save_checkpoint("ckpt/")
+    convert_checkpoint("path/to/hf", "ckpt/", convert_config=ConvertConfig(tp_size=2))   # what `kiln convert` does
+
+Loading meets quantization here, above both, so that neither imports the other.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from kiln.checkpoint import save_checkpoint
+from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
+from kiln.models import LlamaForCausalLM, PretrainedModel
+from kiln.quantization import quantize_model
+
+
+def quantize(model: PretrainedModel, quant_config: QuantConfig | None, calib_size: int = 16,
+             quiet: bool = False) -> PretrainedModel:
+    """`model` quantized as `quant_config` asks, calibrated on calib_size sequences of Kiln's calibration text;
+    the model itself when it asks for nothing."""
+    if quant_config is None or not quant_config.enabled:
+        return model
+    return quantize_model(model, quant_config, calib_size, quiet)
+
+
+def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None = None,
+            quant_config: QuantConfig | None = None, calib_size: int = 16, seed: int = 0,
+            quiet: bool = False) -> PretrainedModel:
+    """The whole model of an HF directory, GGUF file or in-memory transformers model, loaded and quantized as
+    `quant_config` (or `convert_config`'s flags and calib_size) asks; `convert_config`'s shape fields are checked
+    against the model before its weights are read and its parallel fields are set. Without a model_dir: random
+    weights (of `seed`) of the shape convert_config describes, quantized the same way."""
+    if convert_config is not None and quant_config is None:
+        quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
+    if model_dir is None:
+        if convert_config is None:
+            raise ValueError("without a model directory, a convert_config must describe the model's shape")
+        config = _preparation(convert_config, "the random-weight model")(convert_config.random_model_config(dtype))
+        model = LlamaForCausalLM.random(config, seed=seed)
+    else:
+        model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, quiet=quiet,
+                                                   prepare_config=_preparation(convert_config, model_dir))
+    return quantize(model, quant_config, calib_size, quiet)
+
+
+def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: bool = False
+                ) -> Callable[[int], PretrainedModel]:
+    """rank → that rank's share of an HF directory under convert_config's tp_size × pp_size, read a tensor at a
+    time (load_by_shard: host memory stays at one rank's weights; ConvertConfig refuses quantizing with it, which
+    needs the whole model)."""
+    mapping = _mapping(convert_config)
+
+    def rank_model(rank: int) -> PretrainedModel:
+        return LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping.for_rank(rank), quiet=quiet or rank > 0,
+                                                  prepare_config=_preparation(convert_config, model_dir))
+
+    return rank_model
+
+
+def convert_checkpoint(model_dir, output_dir: str | Path, dtype: str = "auto",
+                       convert_config: ConvertConfig | None = None, seed: int = 0, overwrite: bool = False,
+                       quiet: bool = False) -> Path:
+    """Load → quantize → save: a Kiln checkpoint of convert_config's tp_size × pp_size ranks (`workers` written at
+    a time; with load_by_shard each rank read on its own from the HF directory). An existing output_dir is replaced
+    only when it is empty or a checkpoint, or with overwrite=True."""
+    convert_config = convert_config or ConvertConfig()
+    mapping = _mapping(convert_config)
+    if convert_config.load_by_shard and mapping.world_size > 1 and model_dir is not None:
+        rank_model = rank_reader(model_dir, dtype, convert_config, quiet)
+        first = rank_model(0)
+        ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
+        return save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files,
+                               config_only=convert_config.save_config_only, workers=convert_config.workers,
+                               overwrite=overwrite)
+    model = convert(model_dir, dtype, convert_config, seed=seed, quiet=quiet)
+    return model.save_checkpoint(output_dir, save_config_only=convert_config.save_config_only, mapping=mapping,
+                                 workers=convert_config.workers, overwrite=overwrite)
+
+
+def _mapping(convert_config: ConvertConfig) -> Mapping:
+    return Mapping(convert_config.tp_size * convert_config.pp_size, 0, convert_config.tp_size, convert_config.pp_size)
+
+
+def _preparation(convert_config: ConvertConfig | None, model_dir) -> Callable[[PretrainedConfig], PretrainedConfig]:
+    """The config a model is loaded with under convert_config: its shape fields checked, its parallel fields set,
+    its embedding sharing possible."""
+    def prepare(config: PretrainedConfig) -> PretrainedConfig:
+        if convert_config is None:
+            return config
+        convert_config.check_against(config, str(model_dir))
+        if convert_config.use_embedding_sharing and not config.tie_word_embeddings:
+            raise ValueError("--use_embedding_sharing needs a model whose LM head is tied to its embedding")
+        return dataclasses.replace(config, **convert_config.parallel_fields())
+
+    return prepare
