@@ -1,5 +1,5 @@
 """Import of already-quantized Hugging Face checkpoints: AutoAWQ (GEMM packing) and AutoGPTQ (desc_act=False),
-both 4-bit per group, into Kiln's W4A16 per-group layout (kiln.kernels.quant).
+both 4-bit per group, into Kiln's W4A16 per-group layout (kiln.kernels.quant; packed as kiln.utils.int4).
 
 AWQ: qweight int32 (in, out/8) — eight 4-bit output columns per int, nibble i holding column 8c + [0,2,4,6,1,3,5,7][i];
 qzeros int32 (in/g, out/8) packed the same way; scales (in/g, out); w = (q - zero) * scale.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kiln.config import QuantConfig
-from kiln.kernels.quant import pack_int4
+from kiln.utils.int4 import pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.utils.int4 import pack_int4, unpack_int4
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
@@ -84,17 +86,6 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """(out, in) values in [0, 15] → (out, in/2) bytes, even columns in the low nibble."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """(out, in/2) bytes → (out, in) values in [0, 15]."""
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
 def int4_group_size(in_features: int, groups: int) -> int:
