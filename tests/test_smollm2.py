@@ -2,10 +2,12 @@
 same GGUF file, for three prompts, with and without the chat template."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from kiln import LLM, BuildConfig, SamplingConfig
+from kiln import LLM, BuildConfig, KvCacheConfig, SamplingConfig
 
 pytestmark = pytest.mark.slow
 
@@ -59,36 +61,45 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "suppress them. ") * 4
 
 
-def test_batching_invariance_on_smollm2(hf, smollm2_model):
-    """24 requests sharing prefixes of one text (1-300 tokens) give each request's solo transformers output,
-    submitted together or staggered, chunked context on/off, block reuse on/off, tokens_per_block 16/64."""
-    import random
-
+@pytest.fixture(scope="module")
+def shared_prefix_requests(hf):
+    """16 requests (prompt, new tokens) on prefixes of one text (1-300 tokens), twice max_batch_size, and each one's
+    transformers output when it runs alone."""
     model, tokenizer = hf
     ids = tokenizer(TEXT).input_ids
     rng = random.Random(0)
-    requests = [(ids[:rng.randint(1, 300)], rng.randint(1, 10)) for _ in range(24)]
-    expected = [_hf_generate_n(model, p, n) for p, n in requests]
-    variants = [dict(chunked=chunked, reuse=reuse, tokens_per_block=tpb, staggered=staggered)
-                for chunked in (False, True) for reuse in (False, True) for tpb in (16, 64) for staggered in (False, True)]
-    for v in variants:
-        build = BuildConfig(max_batch_size=8, max_input_len=300, max_seq_len=512,
-                            max_num_tokens=128 if v["chunked"] else 600,
-                            plugin_config={"tokens_per_block": v["tokens_per_block"]})
-        from kiln import KvCacheConfig
-        with LLM(smollm2_model, build_config=build, kv_cache_config=KvCacheConfig(enable_block_reuse=v["reuse"]),
-                 enable_chunked_context=v["chunked"], quiet=True) as llm:
-            order = list(range(24))
-            if v["staggered"]:
-                rng.shuffle(order)
-            results = {}
-            for k, i in enumerate(order):
-                results[i] = llm.generate_async(requests[i][0], SamplingConfig(max_new_tokens=requests[i][1], end_id=-1))
-                if v["staggered"] and k % 6 == 5:
-                    results[i].result()
-            assert [results[i].result().token_ids for i in range(24)] == expected
-            if v["reuse"]:
-                assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    requests = [(ids[:rng.randint(1, 300)], rng.randint(1, 10)) for _ in range(16)]
+    return requests, [_hf_generate_n(model, p, n) for p, n in requests]
+
+
+@pytest.mark.parametrize("chunked, reuse, tokens_per_block", [(False, False, 16), (False, True, 64),
+                                                               (True, False, 64), (True, True, 16)])
+def test_batching_invariance_on_smollm2(smollm2_model, shared_prefix_requests, chunked, reuse, tokens_per_block):
+    """Every request gives its solo transformers output, submitted together or staggered, with chunked context
+    on/off, block reuse on/off and tokens_per_block 16/64: the four builds hold every pair of those three choices
+    (the whole grid runs on a tiny model in tests/test_runtime.py)."""
+    requests, expected = shared_prefix_requests
+    build = BuildConfig(max_batch_size=8, max_input_len=300, max_seq_len=512, max_num_tokens=128 if chunked else 600,
+                        plugin_config={"tokens_per_block": tokens_per_block})
+    with LLM(smollm2_model, build_config=build, kv_cache_config=KvCacheConfig(enable_block_reuse=reuse),
+             enable_chunked_context=chunked, quiet=True) as llm:
+        for staggered in (False, True):
+            assert _submit(llm, requests, staggered) == expected
+        if reuse:
+            assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def _submit(llm, requests, staggered: bool) -> list[list[int]]:
+    """The requests' tokens, all submitted at once, or in a shuffled order waiting for every sixth one."""
+    order = list(range(len(requests)))
+    if staggered:
+        random.Random(1).shuffle(order)
+    results = {}
+    for k, i in enumerate(order):
+        results[i] = llm.generate_async(requests[i][0], SamplingConfig(max_new_tokens=requests[i][1], end_id=-1))
+        if staggered and k % 6 == 5:
+            results[i].result()
+    return [results[i].result().token_ids for i in range(len(requests))]
 
 
 def _hf_generate_n(model, ids: list[int], n: int) -> list[int]:
