@@ -7,7 +7,7 @@ from kiln.utils.steps import StepLog, ticking
 
 
 def test_a_long_block_shows_its_running_time(capsys):
-    with ticking("Reading metadata", after_s=0.05):
+    with ticking("Reading metadata", after_s=0.05, every_s=0.2):
         time.sleep(1.3)
     err = capsys.readouterr().err
     assert "Reading metadata 00:01" in err

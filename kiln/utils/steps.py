@@ -9,6 +9,8 @@ import time
 
 TICK_AFTER_S = 2.0
 """A step shows its running time once it has run this long (shorter steps print only their two lines)."""
+TICK_LOG_S = 30.0
+"""Seconds between two showings of a step's running time when stderr is not a terminal."""
 
 
 class StepLog:
@@ -48,14 +50,16 @@ def progress(iterable, desc: str, total: int | None = None, quiet: bool = False)
 
 
 @contextlib.contextmanager
-def ticking(desc: str, quiet: bool = False, after_s: float = TICK_AFTER_S):
-    """While the block runs, a line on stderr showing how long it has run (`desc 00:12`), from `after_s` on; for
-    work that cannot count its own progress (parsing a file, a library call)."""
+def ticking(desc: str, quiet: bool = False, after_s: float = TICK_AFTER_S, every_s: float | None = None):
+    """While the block runs, a line on stderr showing how long it has run (`desc 00:12`), from `after_s` on, shown
+    again every `every_s` (None: every second on a terminal, every TICK_LOG_S in a log, where each showing may
+    become a line of its own); for work that cannot count its own progress (parsing a file, a library call)."""
     if quiet:
         yield
         return
+    every_s = every_s or (1.0 if sys.stderr.isatty() else TICK_LOG_S)
     stop = threading.Event()
-    thread = threading.Thread(target=_tick, args=(desc, after_s, stop), daemon=True)
+    thread = threading.Thread(target=_tick, args=(desc, after_s, every_s, stop), daemon=True)
     thread.start()
     try:
         yield
@@ -64,14 +68,17 @@ def ticking(desc: str, quiet: bool = False, after_s: float = TICK_AFTER_S):
         thread.join()
 
 
-def _tick(desc: str, after_s: float, stop: threading.Event) -> None:
-    """ticking's clock: from after_s on, a tqdm line refreshed every second until `stop` is set."""
+def _tick(desc: str, after_s: float, every_s: float, stop: threading.Event) -> None:
+    """ticking's clock: from after_s on, a tqdm line refreshed every every_s until `stop` is set."""
     from tqdm import tqdm
 
     if stop.wait(after_s):
         return
-    bar = tqdm(desc=desc, bar_format="{desc} {elapsed}", leave=False, file=sys.stderr)
-    bar.start_t -= after_s
-    while not stop.wait(1.0):
+    bar = tqdm(desc=desc, bar_format="{desc} {elapsed}", leave=False, file=sys.stderr, delay=after_s)
+    bar.start_t -= after_s                                  # the clock counts from the start of the block
+    bar.delay = 0                                           # shown from now on, and cleared when closed
+    while True:
         bar.refresh()
+        if stop.wait(every_s):
+            break
     bar.close()
