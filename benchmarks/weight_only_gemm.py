@@ -1,12 +1,14 @@
-"""Weight-only products of more rows than the decode GEMV takes, on the Llama-3.1-8B shapes (one H200 run):
-the tensor-core kernel (triton_weight_only.tiled_matmul, a sweep of tile configurations, the best reported),
-dequantize + cuBLAS, and cuBLAS bf16 on a float weight.
+"""Weight-only products of more rows than the decode GEMV takes, on the Llama-3.1-8B shapes, one GPU: the
+tensor-core kernel (triton_weight_only.tiled_matmul, a sweep of tile configurations, the best reported), dequantize
++ cuBLAS, and cuBLAS bf16 on a float weight; the summary says which configuration to keep per row count and from
+which rows dequantize + cuBLAS wins (the kernel module's tile table and DEQUANTIZE_MIN_ROWS come from it).
 Every variant is checked against a float64 product of the dequantized weight. Prints one table; JSON to
 $OUT/weight_only_gemm.json (OUT defaults to /tmp).
 
-    python3 benchmarks/weight_only_gemm.py [--quick] [--rows 8,128] [--shapes o,down] [--formats W8A16]
+    python benchmarks/weight_only_gemm.py [--quick] [--rows 8,128] [--shapes o,down] [--formats W8A16]
 
-(`TRITON_INTERPRET=1 python3 benchmarks/weight_only_gemm.py --dry_run` runs the whole script on the CPU on a tiny
+Needs Kiln installed (`pip install -e .`) and a CUDA GPU.
+(`TRITON_INTERPRET=1 python benchmarks/weight_only_gemm.py --dry_run` runs the whole script on the CPU on a tiny
 shape, wall-clock times meaning nothing: a check of the script itself.)
 
 Times are GPU µs per product from CUDA graphs over enough weight copies that L2 holds none. The sweep's kernels
@@ -25,12 +27,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kiln import benchmark as bench  # noqa: E402
-from kiln.kernels import quant  # noqa: E402
-from kiln.kernels import triton_kernels as tk  # noqa: E402
-from kiln.kernels import triton_weight_only as wo  # noqa: E402
+from kiln import benchmark as bench
+from kiln.kernels import quant
+from kiln.kernels import triton_kernels as tk
+from kiln.kernels import triton_weight_only as wo
 
 OUT = os.environ.get("OUT", "/tmp")
 DEVICE = "cuda"
@@ -285,7 +285,7 @@ def dry_run(args) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--formats", default=",".join(FORMATS))

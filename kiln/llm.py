@@ -127,7 +127,7 @@ def _freeze_live_objects() -> None:
     """Collect what is garbage, then move every object alive (mostly the interpreter's modules, functions and
     classes: the bulk of a torch process's heap) out of the collector's generations, so that the full collections
     that run while requests are served walk only what was made since: in a 10.5 s FP8 128/128 throughput run they
-    took 0.44 s (benchmarks/gpu_suite.py timeline, `gc_s`), each pause stalling the overlapped steps. Done before
+    took 0.44 s (timed through gc.callbacks), each pause stalling the overlapped steps. Done before
     the engine loads, so that this LLM's own objects stay collectable; `shutdown` unfreezes, so that whatever was
     alive here and has become garbage since (a frozen object is never collected) goes at the next collection."""
     gc.collect()
