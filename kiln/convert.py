@@ -28,13 +28,17 @@ def quantize(model: PretrainedModel, quant_config: QuantConfig | None, calib_siz
 
 
 def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None = None,
-            quant_config: QuantConfig | None = None, calib_size: int = 16, seed: int = 0,
+            quant_config: QuantConfig | None = None, calib_size: int | None = None, seed: int = 0,
             quiet: bool = False) -> PretrainedModel:
     """The whole model of an HF directory, GGUF file or in-memory transformers model, loaded and quantized as
-    `quant_config` (or `convert_config`'s flags and calib_size) asks; `convert_config`'s shape fields are checked
-    against the model before its weights are read and its parallel fields are set. Without a model_dir: random
-    weights (of `seed`) of the shape convert_config describes, quantized the same way."""
-    if convert_config is not None and quant_config is None:
+    `quant_config` asks (calibrated on calib_size sequences, 16 by default), or as `convert_config`'s flags and
+    calib_size ask; `convert_config`'s shape fields are checked against the model before its weights are read and
+    its parallel fields are set. Without a model_dir: random weights (of `seed`) of the shape convert_config
+    describes, quantized the same way."""
+    if convert_config is not None:
+        if quant_config is not None or calib_size is not None:
+            raise ValueError("convert_config carries the quantization flags and calib_size: give it, or "
+                             "quant_config and calib_size, not both")
         quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
     if model_dir is None:
         if convert_config is None:
@@ -44,7 +48,7 @@ def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None
     else:
         model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, quiet=quiet,
                                                    prepare_config=_preparation(convert_config, model_dir))
-    return quantize(model, quant_config, calib_size, quiet)
+    return quantize(model, quant_config, 16 if calib_size is None else calib_size, quiet)
 
 
 def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: bool = False
