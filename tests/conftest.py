@@ -30,13 +30,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @pytest.fixture
-def gemv_fusions_on(monkeypatch):
-    """Every fusion of the CUDA-core decode GEMV switched on (triton_kernels.GEMV_SWITCHES), whatever the defaults:
-    the tests of the fused kernels must run them. int4 layers keep that GEMV's layout (GEMV_MMA off)."""
-    from kiln.kernels import triton_kernels
+def gemv_products():
+    """The GPU's quantized products with every fusion of the CUDA-core decode GEMV, whatever the defaults: int4
+    gate/up rows are paired too (TritonOptions.silu_in_gemv), and int4 layers keep that GEMV's layout (int4_mma
+    off)."""
+    from kiln.kernels import TritonOptions
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
-    for switch in triton_kernels.GEMV_SWITCHES:
-        monkeypatch.setattr(triton_kernels, switch, switch != "GEMV_MMA")
+    return QuantProducts(TritonOptions(int4_mma="off", silu_in_gemv=(4, 8)))
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"

@@ -135,27 +135,6 @@ def test_tiny_model_decodes_as_on_the_reference_ops(tiny_models, monkeypatch, al
     assert parted <= 1, parted
 
 
-def test_quantized_layers_learn_the_norm_after_them(tiny_models):
-    """At load, o_proj and down_proj hold the deferred RMSNorm after their residual add (the next layer's input norm;
-    none after the last layer, whose sum the final norm takes), by reference: no parameter or state_dict entry."""
-    hf_dir, _ = tiny_models["llama"]
-    model = quantize_model(LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True), QuantConfig("W4A16", group_size=32),
-                           calib_size=2, quiet=True, round_to_nearest=True)
-    with LLM(model, build_config=BuildConfig(max_batch_size=1, max_input_len=16, max_seq_len=32), device="cpu",
-             quiet=True) as llm:
-        net = llm.core.runner.net
-        layers = list(net.layers.values())
-        assert len(layers) == 2 and all(layer.input_norm.deferred and layer.post_attn_norm.deferred
-                                        for layer in layers)
-        for layer, after in zip(layers, layers[1:] + [None]):
-            assert layer.attn.o_proj.norm_after is layer.post_attn_norm
-            assert layer.mlp.down_proj.norm_after is (after.input_norm if after else None)
-        assert not any("norm_after" in name for name in net.state_dict())
-        x, residual = torch.randn(1, 64), torch.randn(1, 64)
-        o_proj = layers[0].attn.o_proj
-        assert torch.equal(o_proj(x, residual=residual), o_proj(x))     # the reference adds in the RMSNorm
-
-
 def _same_greedy_tokens_up_to_ties(ref, fast, tie: float = 2e-2) -> bool:
     """Whether the two parted (only ever where the reference's logprob of CpuOps' choice is within `tie` of its
     best one)."""
@@ -182,16 +161,17 @@ def test_tensors_off_alignment_are_copied_first(algo):
     assert rel_err(cpu.CpuOps.quant_linear(x, algo, loaded(algo, params)), ref) < BF16_PRODUCT_ERROR
 
 
-def test_cpu_kernels_chosen_by_kiln_cpu_ops(monkeypatch):
+def test_cpu_kernels_chosen_by_plugin_config():
+    from kiln.config import PluginConfig
     from kiln.kernels import ReferenceOps, select_ops
     from kiln.kernels.cpu import CpuOps
 
     assert type(select_ops("cpu")) is CpuOps
-    monkeypatch.setenv("KILN_CPU_OPS", "reference")
-    assert type(select_ops("cpu")) is ReferenceOps
-    monkeypatch.setenv("KILN_CPU_OPS", "quick")
-    with pytest.raises(ValueError, match="KILN_CPU_OPS"):
-        select_ops("cpu")
+    assert type(select_ops("cpu", cpu_kernels="reference")) is ReferenceOps
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        select_ops("cpu", cpu_kernels="quick")
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        PluginConfig(cpu_kernels="quick")
 
 
 @pytest.mark.parametrize("lens, tables", [([1, 19, 40], [[5], [2, 7], [0, 3, 6]]),   # gathered blocks

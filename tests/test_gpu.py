@@ -46,7 +46,7 @@ def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (16, 4), (32, 4)])
 @pytest.mark.parametrize("block", [16, 32, 64])
 def test_paged_attention_kernel(dim, heads, kv_heads, block):
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.paged_attention import paged_attention
 
     cases = {"decode": [(1, 1), (37, 1), (1000, 1), (8191, 1), (4099, 1)],
              "prefill": [(0, 1), (0, 77), (0, 513), (300, 45), (33, 200)]}
@@ -56,8 +56,8 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
             ref = reference.paged_attention(q.float(), cache.float(), meta, dim ** -0.5, window)
             for parts in ((1, 4) if name == "decode" else (1,)):
                 part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
-                out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                         meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
                 assert rel_err(out, ref) < 1e-2, (name, window, parts)
 
 
@@ -68,7 +68,9 @@ def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
     """decode_attention (rope + cache write + attention + merge in one kernel) against the three kernels it
     replaces and the float reference, bf16, with and without split-K partitions and a sliding window; a padded
     row (length 0, slot -1) writes nothing."""
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton import decode_attention
+    from kiln.kernels.triton.paged_attention import paged_attention
+    from kiln.kernels.triton.rope_cache import rope_and_cache
 
     seqs = [(0, 1), (37, 1), (1000, 1), (4099, 1), (255, 1)]
     _, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
@@ -80,34 +82,36 @@ def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
     table = rope_cos_sin(8192, dim, 500000.0, None).to(CUDA)
     for window in (None, 100):
         ref_cache = cache.clone()
-        q = tk.rope_and_cache(qkv[:-1], positions[:-1], table, ref_cache, meta.slot_mapping, heads, kv_heads, dim)
+        q = rope_and_cache(qkv[:-1], positions[:-1], table, ref_cache, meta.slot_mapping, heads, kv_heads, dim)
         ref = reference.paged_attention(q.float(), ref_cache.float(), meta, dim ** -0.5, window)
         for parts in (1, 4, 33):
             part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
-            unfused = tk.paged_attention(q, ref_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
-                                         dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
-            out_cache = cache.clone()
-            out = tk.decode_attention(qkv, positions, table, out_cache, slots, tables, lens, heads, kv_heads, dim,
+            unfused = paged_attention(q, ref_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
                                       dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+            out_cache = cache.clone()
+            out = decode_attention.decode_attention(qkv, positions, table, out_cache, slots, tables, lens, heads,
+                                                    kv_heads, dim, dim ** -0.5, window, num_parts=parts,
+                                                    part_tokens=part_tokens)
             assert torch.equal(out_cache, ref_cache), (window, parts)
             assert rel_err(out[:-1], ref) < 1e-2 and rel_err(out[:-1], unfused) < 1e-2, (window, parts)
-    assert not tk._arrival_counters(CUDA, 1).any()
+    assert not decode_attention._arrival_counters(CUDA, 1).any()
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 4096), (7, 576), (300, 8192), (33, 5120)])
 def test_norm_activation_and_rope_kernels(rows, cols):
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton import norms
+    from kiln.kernels.triton.rope_cache import rope_and_cache
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn((rows, cols), generator=g, device=CUDA).bfloat16()
     r = torch.randn((rows, cols), generator=g, device=CUDA).bfloat16()
     w = torch.randn(cols, generator=g, device=CUDA).bfloat16()
-    out, res = tk.add_rms_norm(x, r.clone(), w, 1e-5)
+    out, res = norms.add_rms_norm(x, r.clone(), w, 1e-5)
     ref_out, ref_res = reference.add_rms_norm(x, r, w, 1e-5)
     assert rel_err(out, ref_out) < 1e-2 and rel_err(res, ref_res) < 1e-2
-    assert rel_err(tk.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)) < 1e-2
+    assert rel_err(norms.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)) < 1e-2
     gate_up = torch.randn((rows, 2 * cols), generator=g, device=CUDA).bfloat16()
-    assert rel_err(tk.silu_and_mul(gate_up), reference.silu_and_mul(gate_up.float())) < 1e-2
+    assert rel_err(norms.silu_and_mul(gate_up), reference.silu_and_mul(gate_up.float())) < 1e-2
     for heads, kv_heads, dim in ((32, 8, 128), (9, 3, 64)):
         qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=g, device=CUDA).bfloat16()
         positions = torch.randint(0, 4000, (rows,), device=CUDA)
@@ -115,7 +119,7 @@ def test_norm_activation_and_rope_kernels(rows, cols):
         cache = torch.zeros((2, rows + 3, 16, kv_heads, dim), device=CUDA, dtype=torch.bfloat16)
         ref_cache = cache.clone()
         slots = torch.randperm((rows + 3) * 16, device=CUDA)[:rows]
-        q = tk.rope_and_cache(qkv, positions, table, cache, slots, heads, kv_heads, dim)
+        q = rope_and_cache(qkv, positions, table, cache, slots, heads, kv_heads, dim)
         qq, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
         q_ref, k_ref = reference.rotary(qq.view(rows, heads, dim), k.view(rows, kv_heads, dim), positions, table)
         reference.write_kv(k_ref, v.view(rows, kv_heads, dim), ref_cache, slots)
@@ -218,37 +222,39 @@ def test_quantized_matmul_kernels(algo, rows):
     """quant_linear on the layout the engine loads (weight-only: interleaved, GEMV up to 4 rows, tiles above) and
     on the engine layout itself; 576 columns: a short last group of 64."""
     from kiln.kernels import quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     w = torch.randn((1536, 576), generator=g, device=CUDA)
     x = torch.randn((rows, 576), generator=g, device=CUDA).bfloat16()
     params = _quantized(algo, w)
     ref = quant.quant_linear(x.float(), algo, params, None)
-    packed = tk.pack_quant(algo, params)
+    products = QuantProducts()
+    packed = products.pack(algo, params)
     layouts = [params] + ([{**params, **packed[1], "layout": packed[0]}] if packed else [])
     for p in layouts:
-        assert rel_err(tk.quant_linear(x, algo, p, None), ref) < 2e-2
+        assert rel_err(products.linear(x, algo, p, None), ref) < 2e-2
 
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 14336), (256, 576)])
-def test_weight_only_gemv(algo, n, k, monkeypatch):
+def test_weight_only_gemv(algo, n, k):
     """The decode GEMV against the float64 product on the same quantized weights, for 1-4 rows and for every
     configuration the engine picks or the suite sweeps; uneven row counts and blocks included. Outputs are poisoned
     first (every element must be written)."""
-    from kiln.kernels import quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import TritonOptions, quant
+    from kiln.kernels.triton import gemv, tuning
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
-    monkeypatch.setattr(tk, "GEMV_MMA", False)                  # the CUDA-core GEMV's interleaved layout
+    products = QuantProducts(TritonOptions(int4_mma="off"))     # the CUDA-core GEMV's interleaved layout
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05,
                         group=64 if algo == "W4A16_GPTQ" else 128)
     bits = 8 if algo == "W8A16" else 4
-    weight = tk.pack_quant(algo, params)[1]["weight"]
+    weight = products.pack(algo, params)[1]["weight"]
     dequant = quant.dequantize_weight(algo, params).double()
-    configs = {None} | (set(tk.GEMV_SWEEP) if algo == "W4A16_AWQ" else set())
+    configs = {None} | (set(tuning.GEMV_SWEEP) if algo == "W4A16_AWQ" else set())
     for rows in (1, 2, 3, 4):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
         ref = x.double() @ dequant.t()
@@ -256,29 +262,30 @@ def test_weight_only_gemv(algo, n, k, monkeypatch):
             if config is not None and rows > 1:
                 continue
             torch.cuda.empty_cache()
-            out = tk.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
+            out = gemv.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
             assert rel_err(out, ref) < 5e-3, (rows, config, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
+def test_int4_mma_products(algo, group, n, k, dtype):
     """int4 in the tensor cores' fragment layout (kernels/int4_mma.py): the mma.sync product of 1-16 rows against
     the float64 product on the same levels, and the dequantized matrix (products of more rows) equal to the engine
     layout's, rounded to x's dtype; quant_linear of 1, 16 and 17 rows on the layout the engine loads."""
-    from kiln.kernels import int4_mma, quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import TritonOptions, quant
+    from kiln.kernels.triton import int4_fragments, int4_mma, tuning
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
-    monkeypatch.setattr(tk, "GEMV_MMA", "all")                  # every shape in the fragment layout
+    products = QuantProducts(TritonOptions(int4_mma="all"))     # every shape in the fragment layout
     g = torch.Generator(device="cuda").manual_seed(n + k + (group or 0))
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
-    layout, packed = tk.pack_quant(algo, params)
+    layout, packed = products.pack(algo, params)
     assert layout.fragments
-    assert torch.equal(int4_mma.unpack(packed["weight"]), params["weight"])
+    assert torch.equal(int4_fragments.unpack(packed["weight"]), params["weight"])
     dequant = quant.dequantize_weight(algo, params)
     assert packed["weight_zero"] is None and packed["weight_scale"].shape[2:] == (8, 4)
-    assert torch.equal(int4_mma.dequantize(packed["weight"], packed["weight_scale"], dtype), dequant.to(dtype))
+    assert torch.equal(int4_fragments.dequantize(packed["weight"], packed["weight_scale"], dtype), dequant.to(dtype))
     for rows in (1, 2, 3, 7, 8, 9, 16):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
         ref = x.double() @ dequant.double().t()
@@ -290,18 +297,16 @@ def test_int4_mma_products(algo, group, n, k, dtype, monkeypatch):
             assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, mma_layout, rel_err(out, ref))
     for rows in (1, 16, 17, 32, 33):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
-        out = tk.quant_linear(x, algo, {**params, **packed, "layout": layout}, None)
+        out = products.linear(x, algo, {**params, **packed, "layout": layout}, None)
         # above FRAGMENT_SLICES · MAX_ROWS cuBLAS multiplies the weight rounded to x's dtype: per channel with a float
         # zero point, each level's rounding repeats over the whole row and adds up with x's mean (1.8e-2 against the
         # exact weight in bf16, test run of 2026-12-02)
-        weight = dequant if rows <= tk.FRAGMENT_SLICES * int4_mma.MAX_ROWS else dequant.to(dtype)
+        weight = dequant if rows <= tuning.FRAGMENT_SLICES * int4_mma.MAX_ROWS else dequant.to(dtype)
         assert rel_err(out, x.double() @ weight.double().t()) < 5e-3, rows
 
 
-def _gpu_layout(algo: str, params: dict, gated: bool = False) -> dict:
-    from kiln.kernels import triton_kernels as tk
-
-    layout, packed = tk.pack_quant(algo, params, gated)
+def _gpu_layout(products, algo: str, params: dict, gated: bool = False) -> dict:
+    layout, packed = products.pack(algo, params, gated)
     return {**params, **packed, "layout": layout}
 
 
@@ -313,21 +318,20 @@ def _stood_for(params: dict, gpu: dict) -> dict:
 
 
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
-@pytest.mark.usefixtures("gemv_fusions_on")
-def test_gate_up_gemv_writes_silu(algo):
+def test_gate_up_gemv_writes_silu(algo, gemv_products):
     """The 8B gate_up on paired rows: the GEMV's SiLU(gate)·up equals the unfused GEMV + silu_and_mul bit for bit
     (1-4 rows) and the float64 reference; above 4 rows the tiled kernel + silu_and_mul reading the pairs."""
     from kiln.kernels import ReferenceOps
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.norms import silu_and_mul
 
     g = torch.Generator(device="cuda").manual_seed(12)
     params = _quantized(algo, torch.randn((28672, 4096), generator=g, device=CUDA) * 0.05)
-    paired, plain = _gpu_layout(algo, params, gated=True), _gpu_layout(algo, params)
+    paired, plain = _gpu_layout(gemv_products, algo, params, gated=True), _gpu_layout(gemv_products, algo, params)
     assert paired["layout"].paired_rows
     for rows in (1, 2, 3, 4, 5, 64):
         x = (torch.rand((rows, 4096), generator=g, device=CUDA) * 4 - 1).bfloat16()
-        fused = tk.quant_linear_silu(x, algo, paired, None)
-        unfused = tk.silu_and_mul(tk.quant_linear(x, algo, plain, None))
+        fused = gemv_products.linear_silu(x, algo, paired, None)
+        unfused = silu_and_mul(gemv_products.linear(x, algo, plain, None))
         if rows <= 4:
             assert torch.equal(fused, unfused), rows
         ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(params, paired))
@@ -337,33 +341,35 @@ def test_gate_up_gemv_writes_silu(algo):
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16", None)])
 @pytest.mark.parametrize("n, k", [(28672, 4096), (96, 256)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype, monkeypatch):
-    """A gate/up projection on int4_mma with its 16-row blocks paired (MMA_SILU): the product's SiLU(gate)·up equals
+def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype):
+    """A gate/up projection on int4_mma with its 16-row blocks paired at load: the product's SiLU(gate)·up equals
     the unpaired product + silu_and_mul bit for bit (1-16 rows, the engine's and other layouts), and the float64
     reference; more rows (cuBLAS, then silu_and_mul) too."""
-    from kiln.kernels import ReferenceOps, int4_mma
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import ReferenceOps, TritonOptions
+    from kiln.kernels.triton import int4_fragments, int4_mma
+    from kiln.kernels.triton.norms import silu_and_mul
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
-    monkeypatch.setattr(tk, "GEMV_MMA", "all")
-    monkeypatch.setattr(tk, "MMA_SILU", True)
+    products = QuantProducts(TritonOptions(int4_mma="all"))
     g = torch.Generator(device="cuda").manual_seed(n + k)
     params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
-    paired, plain = _gpu_layout(algo, params, gated=True), _gpu_layout(algo, params)
+    paired, plain = _gpu_layout(products, algo, params, gated=True), _gpu_layout(products, algo, params)
     assert paired["layout"].paired_rows and paired["layout"].fragments and not plain["layout"].paired_rows
-    assert torch.equal(int4_mma.pair_blocks(int4_mma.pair_blocks(params["weight"]), inverse=True), params["weight"])
+    blocks = int4_fragments.pair_blocks
+    assert torch.equal(blocks(blocks(params["weight"]), inverse=True), params["weight"])
     for rows in (1, 2, 8, 9, 16, 17, 40):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).to(dtype)
-        unfused = tk.silu_and_mul(tk.quant_linear(x, algo, plain, None))
-        fused = tk.quant_linear_silu(x, algo, paired, None)
+        unfused = silu_and_mul(products.linear(x, algo, plain, None))
+        fused = products.linear_silu(x, algo, paired, None)
         assert fused.shape == (rows, n // 2) and torch.equal(fused, unfused), rows
-        assert torch.equal(tk.quant_linear(x, algo, paired, None), tk.quant_linear(x, algo, plain, None)), rows
+        assert torch.equal(products.linear(x, algo, paired, None), products.linear(x, algo, plain, None)), rows
         ref = ReferenceOps.quant_linear_silu(x.double(), algo, _stood_for(params, paired))
         assert rel_err(fused, ref) < 1e-2, rows
         if rows in (1, 9):          # other layouts: against the unpaired product in the same layout (the same sums)
             for layout in ((2, 2, 2), (4, 1, 4), (4, 1, 8), (8, 4, 2)):
                 out = int4_mma.gemv(x, paired["weight"], paired["weight_scale"], layout=layout, silu=True)
                 alike = int4_mma.gemv(x, plain["weight"], plain["weight_scale"], layout=layout)
-                assert torch.equal(out, tk.silu_and_mul(alike)), (rows, layout)
+                assert torch.equal(out, silu_and_mul(alike)), (rows, layout)
     with pytest.raises(ValueError, match="pairs of row blocks"):
         int4_mma.gemv(x[:1], paired["weight"], paired["weight_scale"], layout=(4, 2, 1), silu=True)
 
@@ -374,33 +380,34 @@ def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype, monkeypatch):
                                                            ((4096, 14336), (128256, 4096), False),
                                                            ((384, 640), (96, 384), True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, gated, dtype, monkeypatch):
-    """int4_mma at one row with the RMSNorm between two products folded in (MMA_NORMS): o/down adding the residual
+def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, gated, dtype):
+    """int4_mma at one row with the RMSNorm between two products folded in: o/down adding the residual
     (equal to the unfused product + add_rms_norm's sum, bit for bit), storing the sum times the norm's weight (equal
     to that product rounded) and per-program sums of squares; qkv / gate_up (SiLU, paired blocks) / LM head scaling
     their products by 1/rms against the unfused product of add_rms_norm's output and the float64 reference. The
     engine's layouts and others; a residual of a shape int4_mma cannot fold gets a clear error."""
-    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, int4_mma, quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, TritonOptions, quant
+    from kiln.kernels.triton import int4_mma
+    from kiln.kernels.triton.norms import add_rms_norm
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
-    monkeypatch.setattr(tk, "GEMV_MMA", "all")
-    monkeypatch.setattr(tk, "MMA_NORMS", True)
+    products = QuantProducts(TritonOptions(int4_mma="all"))
     hidden = made_shape[0]
     read_shape = (read_shape[0], hidden)
     g = torch.Generator(device="cuda").manual_seed(sum(made_shape + read_shape))
     made, read = (_quantized(algo, torch.randn(shape, generator=g, device=CUDA) * 0.05, group=group)
                   for shape in (made_shape, read_shape))
-    made_gpu, read_gpu = _gpu_layout(algo, made), _gpu_layout(algo, read, gated)
-    assert made_gpu["layout"].fragments and read_gpu["layout"].fragments
+    made_gpu, read_gpu = _gpu_layout(products, algo, made), _gpu_layout(products, algo, read, gated)
+    assert made_gpu["layout"].fragments and read_gpu["layout"].fragments and products.folds_norm(made_gpu, read_gpu)
     norm_w = (torch.rand(hidden, generator=g, device=CUDA) + 0.5).to(dtype)
-    product = tk.quant_linear_silu if gated else tk.quant_linear
+    product = products.linear_silu if gated else products.linear
     for trial in range(2):
         x = (torch.rand((1, made_shape[1]), generator=g, device=CUDA) * 2 - 0.5).to(dtype)
         residual = torch.randn((1, hidden), generator=g, device=CUDA).to(dtype)
-        summed = tk.quant_linear_before_norm(x, algo, made_gpu, None, residual.clone(), norm_w)
+        summed = products.linear_before_norm(x, algo, made_gpu, None, residual.clone(), norm_w)
         assert isinstance(summed, ResidualSum) and summed.weighted is not None
-        normed, unfused_residual = tk.add_rms_norm(tk.quant_linear(x, algo, made_gpu, None), residual.clone(), norm_w,
-                                                   1e-5)
+        normed, unfused_residual = add_rms_norm(products.linear(x, algo, made_gpu, None), residual.clone(), norm_w,
+                                                1e-5)
         assert torch.equal(summed.residual, unfused_residual), trial
         assert torch.equal(summed.weighted, norm_w * unfused_residual), trial
         assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-5)
@@ -408,8 +415,8 @@ def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, g
             added = residual.clone()
             weighted, sums = int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout,
                                            residual=added, norm_weight=norm_w)
-            _, alike = tk.add_rms_norm(int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout),
-                                       residual.clone(), norm_w, 1e-5)
+            _, alike = add_rms_norm(int4_mma.gemv(x, made_gpu["weight"], made_gpu["weight_scale"], layout=layout),
+                                    residual.clone(), norm_w, 1e-5)
             assert torch.equal(added, alike) and torch.equal(weighted, norm_w * alike), layout
             assert torch.allclose(sums.double().sum(), alike.double().pow(2).sum(), rtol=1e-5), layout
         deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
@@ -436,20 +443,32 @@ def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, g
 
 def test_int4_mma_model_folds_its_norms(monkeypatch):
     """A bf16 W4A16_AWQ model whose every layer int4_mma takes: CUDA-graph decode steps with the RMSNorms folded
-    into the products (MMA_NORMS) give the greedy tokens of the same engine without the fold, and the fold ran."""
+    into the products (TritonOptions.fold_norms) give the greedy tokens of the same engine without the fold, and the
+    fold ran."""
     import dataclasses
     from kiln.benchmark import shape_config
     from kiln.config import QuantConfig
-    from kiln.kernels import int4_mma
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import ResidualSum, TritonOps, TritonOptions
     from kiln.models import LlamaForCausalLM
     from kiln.quantization import quantize_model
+    from kiln.runtime import model_runner
 
-    monkeypatch.setattr(tk, "GEMV_MMA", "all")
     folded = []
-    gemv = int4_mma.gemv
-    monkeypatch.setattr(int4_mma, "gemv", lambda *a, **kw: folded.append(kw.get("residual") is not None
-                                                                         or kw.get("rms_of") is not None) or gemv(*a, **kw))
+
+    class RecordingOps(TritonOps):
+        """TritonOps noting whether each product before a folded norm came back folded (a ResidualSum)."""
+
+        def __init__(self, options):
+            super().__init__(options)
+            linear_before_norm = self.quant_linear_before_norm
+
+            def recorded(*args):
+                out = linear_before_norm(*args)
+                folded.append(isinstance(out, ResidualSum))
+                return out
+
+            self.quant_linear_before_norm = recorded
+
     config = dataclasses.replace(shape_config("smollm2-135m", "bfloat16"), hidden_size=256, intermediate_size=512,
                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     model = LlamaForCausalLM.random(config, seed=6, std=0.05)
@@ -458,7 +477,8 @@ def test_int4_mma_model_folds_its_norms(monkeypatch):
     prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
     outputs = {}
     for fold in (False, True):
-        monkeypatch.setattr(tk, "MMA_NORMS", fold)
+        ops = RecordingOps(TritonOptions(int4_mma="all", fold_norms=fold))
+        monkeypatch.setattr(model_runner, "select_ops", lambda *args, **kwargs: ops)
         folded.clear()
         with LLM(model, build_config=build, device=CUDA, quiet=True) as llm:
             assert llm.core.runner.graphs is not None
@@ -469,61 +489,24 @@ def test_int4_mma_model_folds_its_norms(monkeypatch):
         _same_greedy_tokens_up_to_ties(plain.outputs[0], fused.outputs[0], tie=3e-2)
 
 
-@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
-@pytest.mark.parametrize("producer, consumer", [("o", "qkv"), ("down", "gate_up")])
-@pytest.mark.usefixtures("gemv_fusions_on")
-def test_gemvs_fold_the_residual_norm(algo, producer, consumer):
-    """The 8B shapes, 1-4 rows: o_proj/down_proj adding the residual (equal to the unfused GEMV + add_rms_norm's
-    sum, with per-program sums of squares), the next GEMV applying the deferred RMSNorm as it loads x (gate_up with
-    SiLU on paired rows) against the unfused GEMV on add_rms_norm's output and the float64 reference."""
-    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, quant
-    from kiln.kernels import triton_kernels as tk
-
-    shapes = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
-    g = torch.Generator(device="cuda").manual_seed(13)
-    made, read = (_quantized(algo, torch.randn(shapes[name], generator=g, device=CUDA) * 0.05)
-                  for name in (producer, consumer))
-    gated = consumer == "gate_up"
-    made_gpu, read_gpu = _gpu_layout(algo, made), _gpu_layout(algo, read, gated)
-    norm_w = (torch.rand(4096, generator=g, device=CUDA) + 0.5).bfloat16()
-    for rows in (1, 2, 3, 4):
-        x = (torch.rand((rows, shapes[producer][1]), generator=g, device=CUDA) * 2 - 0.5).bfloat16()
-        residual = torch.randn((rows, 4096), generator=g, device=CUDA).bfloat16()
-        summed = tk.quant_linear_before_norm(x, algo, made_gpu, None, residual.clone())
-        assert isinstance(summed, ResidualSum)
-        normed, unfused_residual = tk.add_rms_norm(tk.quant_linear(x, algo, made_gpu, None), residual.clone(), norm_w,
-                                                   1e-5)
-        assert torch.equal(summed.residual, unfused_residual), rows
-        assert torch.allclose(summed.sum_squares.double().sum(1), summed.residual.double().pow(2).sum(1), rtol=1e-5)
-        deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5)
-        product = tk.quant_linear_silu if gated else tk.quant_linear
-        fused, unfused = product(deferred, algo, read_gpu, None), product(normed, algo, read_gpu, None)
-        ref_x = reference.rms_norm(summed.residual.double(), norm_w.double(), 1e-5)
-        ref = (ReferenceOps.quant_linear_silu if gated else quant.quant_linear)(ref_x, algo, _stood_for(read, read_gpu),
-                                                                               None)
-        assert rel_err(fused, unfused) < 2e-3 and rel_err(fused, ref) < 1e-2, rows
-
-
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1536, 576)])
-@pytest.mark.usefixtures("gemv_fusions_on")
-def test_half_scale_pairs(n, k):
+def test_half_scale_pairs(n, k, gemv_products):
     """W4A16_AWQ g128 on fp16 (scale, zero point) pairs: half the bytes of the float32 grid; the GEMV (1-4 rows),
     the tiled kernel (7, 64) and dequantize + cuBLAS (1024) against the float64 product of the fp16-rounded grid,
     and the error added to the engine grid's product small beside int4's own. 576 columns: a short last group."""
     from kiln.kernels import quant
-    from kiln.kernels import triton_kernels as tk
 
     g = torch.Generator(device="cuda").manual_seed(n)
     w = torch.randn((n, k), generator=g, device=CUDA) * 0.05
     params = _quantized("W4A16_AWQ", w)
-    half = _gpu_layout("W4A16_AWQ", params)
+    half = _gpu_layout(gemv_products, "W4A16_AWQ", params)
     assert half["layout"].half_scales and "weight_zero" not in {k for k, v in half.items() if v is not None}
     assert half["weight_scale"].nbytes * 2 == params["weight_scale"].nbytes + params["weight_zero"].nbytes
     rounded = _stood_for(params, half)
     exact = {**params, "weight_scale": params["weight_scale"].double(), "weight_zero": params["weight_zero"].double()}
     for rows in (1, 2, 3, 4, 7, 64, 1024):
         x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
-        out = tk.quant_linear(x, "W4A16_AWQ", {k: v for k, v in half.items() if v is not None}, None)
+        out = gemv_products.linear(x, "W4A16_AWQ", {k: v for k, v in half.items() if v is not None}, None)
         engine_grid = quant.quant_linear(x.double(), "W4A16_AWQ", exact, None)
         int4 = rel_err(engine_grid, x.double() @ w.double().t())
         assert rel_err(out, quant.quant_linear(x.double(), "W4A16_AWQ", rounded, None)) < 5e-3, rows
@@ -533,7 +516,7 @@ def test_half_scale_pairs(n, k):
 @pytest.mark.parametrize("static", [False, True])
 def test_fp8_activation_quantization_kernel(static):
     from kiln.kernels import quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.norms import quantize_fp8_rows
 
     g = torch.Generator(device="cuda").manual_seed(9)
     for rows, cols in ((1, 4096), (37, 14336), (512, 576)):
@@ -541,7 +524,7 @@ def test_fp8_activation_quantization_kernel(static):
         smoother = torch.rand(cols, generator=g, device=CUDA) + 0.5
         scale = (x.float() / smoother).abs().max().reshape(1) / quant.FP8_MAX if static else None
         for sm in (None, smoother):
-            q, s = tk.quantize_fp8_rows(x, sm, scale)
+            q, s = quantize_fp8_rows(x, sm, scale)
             ref_q, ref_s = quant.quantize_activations_fp8(x.float() if sm is None else x.float() / sm, scale)
             # torch divides by 448 on the GPU as a product with its reciprocal: scales may differ in the last bit,
             # and an element on a rounding boundary by one e4m3 step
@@ -554,9 +537,9 @@ def test_fp8_activation_quantization_kernel(static):
 def test_norm_and_silu_kernels_with_fp8_output():
     """The fused per-token e4m3 outputs of RMSNorm (± residual) and SiLU against the reference ops on the same bf16
     inputs, and an FP8 per-token layer fed by them against the same layer quantizing its own input."""
-    from kiln.kernels import ReferenceOps
-    from kiln.kernels import quant
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import ReferenceOps, quant
+    from kiln.kernels.triton import norms
+    from kiln.kernels.triton.quant_linear import QuantProducts
 
     g = torch.Generator(device="cuda").manual_seed(11)
     for rows in (1, 37, 512):
@@ -564,19 +547,20 @@ def test_norm_and_silu_kernels_with_fp8_output():
         res = torch.randn((rows, 4096), generator=g, device=CUDA).bfloat16()
         w = (torch.rand(4096, generator=g, device=CUDA) + 0.5).bfloat16()
         gate_up = (torch.randn((rows, 2 * 14336), generator=g, device=CUDA) * 3).bfloat16()
-        fused, fused_res = tk.add_rms_norm_fp8(x, res.clone(), w, 1e-5)
+        fused, fused_res = norms.add_rms_norm_fp8(x, res.clone(), w, 1e-5)
         ref, ref_res = ReferenceOps.add_rms_norm_fp8(x, res, w, 1e-5)
         assert torch.equal(fused_res, ref_res)
-        for out, expected in ((fused, ref), (tk.rms_norm_fp8(x, w, 1e-5), ReferenceOps.rms_norm_fp8(x, w, 1e-5)),
-                              (tk.silu_and_mul_fp8(gate_up), ReferenceOps.silu_and_mul_fp8(gate_up))):
+        for out, expected in ((fused, ref), (norms.rms_norm_fp8(x, w, 1e-5), ReferenceOps.rms_norm_fp8(x, w, 1e-5)),
+                              (norms.silu_and_mul_fp8(gate_up), ReferenceOps.silu_and_mul_fp8(gate_up))):
             assert torch.allclose(out.scale, expected.scale, rtol=1e-2)
             q, ref_q = out.values.float(), expected.values.float()
             assert (q == ref_q).float().mean() > 0.95 and ((q - ref_q).abs() <= ref_q.abs() / 8 + 2 ** -9).all()
         weight = torch.randn((1024, 4096), generator=g, device=CUDA)
         wq, ws = quant.quantize_fp8(weight)
         params = {"weight": wq, "weight_scale": ws}
-        plain = tk.quant_linear(reference.add_rms_norm(x, res, w, 1e-5)[0], "FP8_PER_CHANNEL_PER_TOKEN", params, None)
-        assert rel_err(tk.quant_linear(fused, "FP8_PER_CHANNEL_PER_TOKEN", params, None), plain) < 2e-2
+        linear = QuantProducts().linear
+        plain = linear(reference.add_rms_norm(x, res, w, 1e-5)[0], "FP8_PER_CHANNEL_PER_TOKEN", params, None)
+        assert rel_err(linear(fused, "FP8_PER_CHANNEL_PER_TOKEN", params, None), plain) < 2e-2
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -584,15 +568,16 @@ def test_norm_and_silu_kernels_with_fp8_output():
 def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
     """A SmolLM2-shaped weight-only model in float32: CUDA-graph decode steps through the interleaved weights give
     the reference's greedy tokens (ReferenceOps on the CPU: CpuOps computes int8/int4 layers in bf16), with the
-    decode GEMV's fusions (GEMV_SWITCHES) off and on. (FP8 runs in bf16 only on the GPU, where per-token e4m3
-    rounding amplifies bf16 differences across layers; its products are checked per kernel above.)"""
-    from kiln.kernels import ReferenceOps, select_ops
-    from kiln.kernels import triton_kernels as tk
+    decode GEMV's choices off (no paired gate/up rows, no int4_mma, no folded norms) and on (every bit width paired).
+    (FP8 runs in bf16 only on the GPU, where per-token e4m3 rounding amplifies bf16 differences across layers; its
+    products are checked per kernel above.)"""
+    from kiln.kernels import ReferenceOps, TritonOps, TritonOptions
     from kiln.runtime import model_runner
-    for switch in tk.GEMV_SWITCHES:
-        monkeypatch.setattr(tk, switch, fused)
+
+    options = TritonOptions(silu_in_gemv=(4, 8)) if fused else \
+        TritonOptions(silu_in_gemv=(), int4_mma="off", fold_norms=False)
     monkeypatch.setattr(model_runner, "select_ops", lambda device, *args: ReferenceOps()
-                        if torch.device(device).type == "cpu" else select_ops(device, *args))
+                        if torch.device(device).type == "cpu" else TritonOps(options))
     from kiln.benchmark import shape_config
     from kiln.config import QuantConfig
     from kiln.models import LlamaForCausalLM
@@ -655,7 +640,8 @@ def _same_greedy_tokens_up_to_ties(cpu, gpu, tie: float = 1e-2) -> None:
 def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
     """The mma.sync decode kernel over an 8-bit cache against the float reference and the Triton kernel: one query
     token per sequence, windows, split-K partitions, and a padded row (no query token, as CUDA graphs add)."""
-    from kiln.kernels import mma_decode_attention, triton_kernels as tk
+    from kiln.kernels.triton import mma_decode_attention
+    from kiln.kernels.triton.paged_attention import paged_attention
 
     dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
     assert mma_decode_attention.takes(dtype, dim, heads // kv_heads, block)
@@ -670,33 +656,33 @@ def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
         ref = reference.paged_attention(q.float(), cache, meta, dim ** -0.5, window, kv_scale)
         for parts in (1, 3):
             part_tokens = None if parts == 1 else -(-tables.shape[1] * block // parts)
-            outs = [tk.paged_attention(q, cache, tables, seq_lens, starts, 1, dim ** -0.5, window, num_parts=parts,
-                                       part_tokens=part_tokens, kv_scale=kv_scale, mma=mma) for mma in (True, False)]
+            outs = [paged_attention(q, cache, tables, seq_lens, starts, 1, dim ** -0.5, window, num_parts=parts,
+                                    part_tokens=part_tokens, kv_scale=kv_scale, mma=mma) for mma in (True, False)]
             assert rel_err(outs[0], ref) < 1e-2, (window, parts)
             assert rel_err(outs[0], outs[1]) < 1e-2, (window, parts)
 
 
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
 def test_quantized_kv_cache_kernels(kv):
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.paged_attention import paged_attention
 
     dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
     q, cache, meta = _paged_case([(300, 1), (0, 40), (33, 7)], 32, 8, 128, 32, torch.bfloat16, seed=5)
     cache = cache.float().clamp(-100, 100).to(dtype) if kv == "INT8" else cache.float().to(dtype)
     kv_scale = torch.tensor([0.02, 0.03], device=CUDA)
     ref = reference.paged_attention(q.float(), cache, meta, 128 ** -0.5, None, kv_scale)
-    out = tk.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                             128 ** -0.5, None, kv_scale=kv_scale)
+    out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                          128 ** -0.5, None, kv_scale=kv_scale)
     assert rel_err(out, ref) < 2e-2
 
 
 def test_argmax_rows_is_torchs():
     """Greedy decoding's argmax on the 8B vocabulary (not a whole number of chunks): equal to torch.argmax for 1-64
     bf16 rows, ties going to the first column."""
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.argmax import argmax_rows
 
     g = torch.Generator(device="cuda").manual_seed(3)
     for rows in (1, 2, 7, 64):
         x = torch.randn((rows, 128256), generator=g, device=CUDA).bfloat16()
         x[0, [128255, 77, 90000]] = 100.0
-        assert torch.equal(tk.argmax_rows(x), x.argmax(dim=-1)), rows
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), rows

@@ -15,9 +15,9 @@ H, INTER = 256, 384                      # 384 inputs of down: three groups of 1
 
 @pytest.mark.parametrize("algo, statics", KERNEL_FORMATS)
 def test_fused_moe_matches_float64(algo, statics):
-    """bfloat16 over token counts that pick every block size (kernels/fused_moe.MOE_CONFIGS) for float experts and
+    """bfloat16 over token counts that pick every block size (kernels/triton/tuning.MOE_CONFIGS) for float experts and
     the decode and prefill sizes for the others; 'one': every token to experts 0 and 1, the six others empty."""
-    from kiln.kernels.fused_moe import fused_moe
+    from kiln.kernels.triton.fused_moe import fused_moe
 
     counts = (1, 2, 3, 16, 33, 100, 256, 777, 4096) if algo is None else (1, 33, 777, 4096)
     for t in counts:
@@ -32,7 +32,7 @@ def test_fused_moe_matches_float64(algo, statics):
 def test_fused_moe_in_float16(algo):
     """(float32 runs in the tiny Mixtral below.) e4m3 dots accumulate as the tensor cores do by default (fast
     accumulation: 2.8e-3 from float64 at one token, against 2e-4 for the other formats)."""
-    from kiln.kernels.fused_moe import fused_moe
+    from kiln.kernels.triton.fused_moe import fused_moe
 
     tolerance = 1e-2 if algo and algo.startswith("FP8") else TOLERANCE[torch.float16]
     for t in (1, 300):
@@ -45,7 +45,7 @@ def test_fused_moe_in_float16(algo):
 def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
     """Captured once, replayed on new inputs that route differently: the eager result each time (no host sync,
     no shape that depends on the routing)."""
-    from kiln.kernels.fused_moe import fused_moe
+    from kiln.kernels.triton.fused_moe import fused_moe
 
     for t in (1, 24):
         x, router, gate_up, down = moe_case(algo, statics, t, 8, H, INTER, torch.bfloat16, device=CUDA, seed=t)
@@ -73,19 +73,19 @@ def _tiny_mixtral(dtype: str):
 
 
 @pytest.mark.parametrize("algo", [None, "W8A16", "W4A16_AWQ"])
-def test_tiny_mixtral_greedy_tokens_equal_the_cpu_path_in_float32(algo, monkeypatch):
+def test_tiny_mixtral_greedy_tokens_equal_the_cpu_path_in_float32(algo):
     """Prefill and CUDA-graph decode steps through the fused MoE give the reference's greedy tokens (ReferenceOps on
-    the CPU: CpuOps computes int8/int4 layers in bf16)."""
+    the CPU, cpu_kernels="reference": CpuOps computes int8/int4 layers in bf16)."""
     from kiln import LLM, BuildConfig, SamplingConfig
-    from kiln.config import QuantConfig
+    from kiln.config import PluginConfig, QuantConfig
     from kiln.quantization import quantize_model
 
-    monkeypatch.setenv("KILN_CPU_OPS", "reference")
     model = _tiny_mixtral("float32")
     if algo is not None:
         model = quantize_model(model, QuantConfig(algo, group_size=32), calib_size=2, quiet=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 40, 200)]
-    build = BuildConfig(max_batch_size=4, max_input_len=256, max_seq_len=512)
+    build = BuildConfig(max_batch_size=4, max_input_len=256, max_seq_len=512,
+                        plugin_config=PluginConfig(cpu_kernels="reference"))
     tokens = {}
     for device in ("cpu", "cuda"):
         with LLM(model, build_config=build, device=device, quiet=True) as llm:

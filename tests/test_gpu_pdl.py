@@ -1,6 +1,7 @@
 """Programmatic dependent launch (on sm_90+ each Triton kernel starts while the one before it finishes, and waits
-for its inputs before reading them; KILN_PDL=0 turns it off) must not race: decoding the same prompts again and
-again through the CUDA graphs gives the same greedy tokens every time (a race shows as a run that differs)."""
+for its inputs before reading them; PluginConfig.programmatic_dependent_launch turns it off) must not race:
+decoding the same prompts again and again through the CUDA graphs gives the same greedy tokens every time (a race
+shows as a run that differs)."""
 from __future__ import annotations
 
 import pytest

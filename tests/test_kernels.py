@@ -117,10 +117,11 @@ def test_moe_matches_per_token_loop():
 
 @pytest.mark.parametrize("algo, fused", [("FP8_PER_CHANNEL_PER_TOKEN", True), ("FP8", False)])
 def test_fp8_activations_quantized_by_the_kernel_that_makes_them(tiny_models, algo, fused):
-    """With per-token FP8 activations the norms and SiLU hand their layers e4m3 rows (quant.Fp8Rows): the flags are
-    set at load exactly where the layer takes such rows (not with static scales), and the logits equal those of
-    the same network quantizing inside each layer."""
+    """With per-token FP8 activations the norms and SiLU hand their layers e4m3 rows (quant.Fp8Rows): the fusion pass
+    puts Fp8Norm / Fp8Silu in place exactly where the layer takes such rows (not with static scales), and the logits
+    equal those of the same network quantizing inside each layer."""
     from kiln.config import QuantConfig
+    from kiln.kernels.fusion import Fp8Norm, Fp8Silu
     from kiln.models import LlamaForCausalLM
     from kiln.quantization import quantize_model
 
@@ -130,11 +131,12 @@ def test_fp8_activations_quantized_by_the_kernel_that_makes_them(tiny_models, al
     for keep in (True, False):
         net = model.network_class.load(model.config, model.engine_weights(), 64)
         layers = list(net.layers.values())
-        assert all(layer.input_norm.fp8_out == layer.post_attn_norm.fp8_out == layer.mlp.fp8_act == fused
-                   for layer in layers)
-        if not keep:
+        assert all((isinstance(layer.input_norm, Fp8Norm), isinstance(layer.post_attn_norm, Fp8Norm),
+                    isinstance(layer.mlp.gate_up_proj, Fp8Silu)) == (fused,) * 3 for layer in layers)
+        if fused and not keep:                          # back to the model's own modules
             for layer in layers:
-                layer.input_norm.fp8_out = layer.post_attn_norm.fp8_out = layer.mlp.fp8_act = False
+                layer.input_norm, layer.post_attn_norm = layer.input_norm.norm, layer.post_attn_norm.norm
+                layer.mlp.gate_up_proj = layer.mlp.gate_up_proj.linear
         n, c = 20, model.config
         t = torch.tensor
         meta = AttentionMetadata(t(list(range(n))), t([0, n]), t([n]), t([[0, 1]]), n, n, 16)
@@ -144,17 +146,83 @@ def test_fp8_activations_quantized_by_the_kernel_that_makes_them(tiny_models, al
     assert torch.equal(logits[0], logits[1])
 
 
+def _folding_ops():
+    """ReferenceOps folding the RMSNorm between every pair of quantized layers as int4_mma does, in torch: at one
+    row the product added to the residual in place, returned with its sum of squares and its sum times the norm's
+    weight; the layer after normalizes from those. `folded` counts the folds made."""
+    from kiln.kernels import DeferredNorm, ReferenceOps, ResidualSum, quant, reference
+
+    class FoldingOps(ReferenceOps):
+        name = "folding"
+        folded = 0
+
+        def folds_norm(self, before, after):
+            return True
+
+        def quant_linear_before_norm(self, x, algo, params, bias, residual, norm_weight):
+            if x.shape[0] > 1:
+                return self.quant_linear(x, algo, params, bias)
+            self.folded += 1
+            residual += quant.quant_linear(x, algo, params, bias)
+            return ResidualSum(residual, residual.float().pow(2).sum(-1, keepdim=True), norm_weight * residual)
+
+        def quant_linear(self, x, algo, params, bias=None):
+            if isinstance(x, DeferredNorm):
+                x = reference.rms_norm(x.residual, x.weight, x.eps)
+            return quant.quant_linear(x, algo, params, bias)
+
+        def quant_linear_silu(self, x, algo, params, bias=None):
+            return self.silu_and_mul(self.quant_linear(x, algo, params, bias))
+
+    return FoldingOps()
+
+
+def test_fusion_pass_folds_the_norms_where_the_ops_say_so(tiny_models):
+    """With ops that fold (one rank): o_proj and down_proj hand their product to the norm after them (the next
+    layer's input norm; none after the last layer, whose sum the final norm takes), which folds the residual add
+    in at one row; the model's tokens are those of the reference ops, and the reference wires nothing."""
+    from kiln import LLM, BuildConfig, SamplingConfig
+    from kiln.config import QuantConfig
+    from kiln.kernels import ReferenceOps
+    from kiln.kernels.fusion import FoldedNorm, ProductBeforeNorm
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+    from kiln.runtime import model_runner
+
+    model = quantize_model(LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True),
+                           QuantConfig("W4A16", group_size=32), calib_size=2, quiet=True, round_to_nearest=True)
+    build = BuildConfig(max_batch_size=2, max_input_len=16, max_seq_len=32)
+    tokens = {}
+    for ops in (ReferenceOps(), _folding_ops()):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_runner, "select_ops", lambda *args, ops=ops: ops)
+            with LLM(model, build_config=build, device="cpu", quiet=True) as llm:
+                layers = list(llm.core.runner.net.layers.values())
+                folds = ops.name == "folding"
+                assert all(isinstance(layer.post_attn_norm, FoldedNorm) == folds for layer in layers)
+                assert [isinstance(layer.input_norm, FoldedNorm) for layer in layers] == [False] + [folds]
+                assert [isinstance(layer.mlp.down_proj, ProductBeforeNorm) for layer in layers] == [folds, False]
+                tokens[ops.name] = llm.generate([3, 4, 5, 6], SamplingConfig(max_new_tokens=6, end_id=-1)).token_ids
+    assert tokens["folding"] == tokens["reference"] and ops.folded > 0
+
+
 def test_every_pdl_kernel_waits_for_its_inputs():
     """A kernel launched with programmatic dependent launch may start before the kernel writing its inputs has
-    finished: each one that takes PDL must call _wait_for_inputs(PDL) (the paged attention kernel once did not)."""
-    triton = pytest.importorskip("triton")
-    from kiln.kernels import triton_kernels as tk
+    finished: each one that takes PDL must wait for its inputs (wait_for_inputs(PDL), or griddepcontrol.wait in a
+    Gluon kernel) — the paged attention kernel once did not."""
+    import importlib
+    import pkgutil
 
-    kernels = [f for f in vars(tk).values() if isinstance(f, triton.runtime.jit.JITFunction) and "PDL" in f.arg_names
+    triton = pytest.importorskip("triton")
+    import kiln.kernels.triton as package
+
+    kernels = [f for info in pkgutil.iter_modules(package.__path__)
+               for f in vars(importlib.import_module(f"{package.__name__}.{info.name}")).values()
+               if isinstance(f, triton.runtime.jit.JITFunction) and "PDL" in f.arg_names
                and f.__name__.endswith("_kernel")]
-    assert len(kernels) >= 8
+    assert len({k.__name__ for k in kernels}) >= 14
     for kernel in kernels:
-        assert "_wait_for_inputs(PDL)" in kernel.src, kernel.__name__
+        assert "wait_for_inputs(PDL)" in kernel.src or "griddepcontrol.wait" in kernel.src, kernel.__name__
 
 
 def test_mma_decode_attention_ptx_operands_and_coverage():
@@ -163,7 +231,7 @@ def test_mma_decode_attention_ptx_operands_and_coverage():
     caches, head dims 64/128, ≤ 8 query heads per KV head, blocks of whole 16-key chunks; never on a CPU)."""
     import re
 
-    from kiln.kernels import mma_decode_attention as mda
+    from kiln.kernels.triton import mma_decode_attention as mda
 
     for int8 in (False, True):
         for asm, operands in ((mda._score_asm(int8), 4 + 16), (mda._value_asm(int8), 8 + 14)):

@@ -14,8 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kiln"
 TABLE = ROOT / "docs" / "architecture.md"
-KERNEL_PACKAGE_ONLY = "runtime reaches kiln.kernels.triton_kernels (decode_mma) until the kernels move behind " \
-                      "select_ops in kiln/kernels/triton/"
 
 
 def module_name(path: Path) -> str:
@@ -120,10 +118,8 @@ def test_no_upward_import(layer):
 
 @pytest.mark.parametrize("layer", [layer for layer in LAYERS
                                    if any("." in name for name in TABLE_ROWS.get(layer, ()))])
-def test_package_only_imports(layer, request):
+def test_package_only_imports(layer):
     """A dotted entry (`kiln.kernels`) allows that module's own names, not its submodules."""
-    if layer == "runtime":
-        request.applymarker(pytest.mark.xfail(reason=KERNEL_PACKAGE_ONLY, strict=True))
     only = {name for name in TABLE_ROWS[layer] if "." in name}
     wrong = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {target}"
              for m in MODULES if layer_of(m) == layer

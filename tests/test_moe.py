@@ -1,6 +1,6 @@
 """Mixture-of-experts layers: quantized experts end to end on the CPU (convert → checkpoint → build → generate, against
 the float model their dequantized weights make, TP=2 against TP=1), and the GPU's fused MoE kernels
-(kernels/fused_moe.py) under Triton's interpreter against a float64 reference — in a process of their own, since
+(kernels/triton/fused_moe.py) under Triton's interpreter against a float64 reference — in a process of their own, since
 TRITON_INTERPRET must be set before Triton is imported (tests/test_gpu_moe.py runs them compiled)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import LLM, BuildConfig, SamplingConfig, build
-from kiln.config import Mapping, ParallelConfig, PretrainedConfig, QuantConfig
+from kiln.config import Mapping, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig
 from kiln.convert import convert
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant, reference
 from kiln.models import LlamaForCausalLM
@@ -111,22 +111,17 @@ def _dequantized(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 BUILD = BuildConfig(max_batch_size=2, max_input_len=64, max_seq_len=128, gather_context_logits=True)
+# the CPU on the exact reference products (CpuOps computes int8/int4 layers in bf16)
+REFERENCE_BUILD = dataclasses.replace(BUILD, plugin_config=PluginConfig(cpu_kernels="reference"))
 PROMPTS = [list(range(5, 45)), list(range(100, 109))]
 
 
-def _generate(model, parallel: ParallelConfig | None = None):
-    with LLM(model, build_config=BUILD, quiet=True, parallel_config=parallel) as llm:
+def _generate(model, parallel: ParallelConfig | None = None, build_config: BuildConfig = REFERENCE_BUILD):
+    with LLM(model, build_config=build_config, quiet=True, parallel_config=parallel) as llm:
         return llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
 
 
-@pytest.fixture
-def reference_cpu_ops(monkeypatch):
-    """The CPU on the exact reference products (CpuOps computes int8/int4 layers in bf16)."""
-    monkeypatch.setenv("KILN_CPU_OPS", "reference")
-
-
 @pytest.mark.parametrize("algo", EXPERT_MODES)
-@pytest.mark.usefixtures("reference_cpu_ops")
 def test_quantized_mixtral_round_trip(tiny_models, tmp_path, algo):
     """Every expert mode through convert → checkpoint → build → generate: the checkpoint's tensors come back
     exactly, logits stay within the mode's tolerance of transformers' float model, and weight-only modes give the
@@ -138,7 +133,7 @@ def test_quantized_mixtral_round_trip(tiny_models, tmp_path, algo):
     reloaded = LlamaForCausalLM.from_checkpoint(tmp_path / "ckpt")
     for name, tensor in model.weights.items():
         assert torch.equal(reloaded.weights[name], tensor), name
-    build(reloaded, BUILD, quiet=True).save(tmp_path / "engine")
+    build(reloaded, REFERENCE_BUILD, quiet=True).save(tmp_path / "engine")
     with LLM(tmp_path / "engine", quiet=True) as llm:
         outputs = llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
     with torch.no_grad():
@@ -163,7 +158,7 @@ def test_moe_quantization_refusals(tiny_models):
 
 def test_fused_moe_refuses_other_formats():
     pytest.importorskip("triton")
-    from kiln.kernels.fused_moe import expert_weights
+    from kiln.kernels.triton.fused_moe import expert_weights
 
     with pytest.raises(ValueError, match="MoE experts run float, W8A16, W4A16\\* or FP8\\* weights"):
         expert_weights({"weight": torch.zeros(2, 4, 8), "weight_scale": torch.ones(2, 4)}, "W8A8_SQ_PER_CHANNEL")
@@ -209,12 +204,11 @@ def test_kiln_convert_quantizes_and_shards_experts(tiny_models, tmp_path):
     assert shapes["layers.0.moe.down_proj.weight_scale"] == (4, 64, 2)     # 4 groups of 32 / 2 ranks
 
 
-def test_quantized_experts_on_the_cpus_own_kernels(tiny_models, monkeypatch):
+def test_quantized_experts_on_the_cpus_own_kernels(tiny_models):
     """CpuOps (the CPU's default: int4 attention layers in bf16) runs quantized experts through the reference loop;
     its logits stay near the exact reference products'."""
     model = _quantized_mixtral(tiny_models, "W4A16_AWQ", 0)
-    fast = _generate(model)
-    monkeypatch.setenv("KILN_CPU_OPS", "reference")
+    fast = _generate(model, build_config=BUILD)
     for out, ref in zip(fast, _generate(model)):
         assert rel_err(out.context_logits, ref.context_logits) < 2e-2
 
@@ -222,7 +216,6 @@ def test_quantized_experts_on_the_cpus_own_kernels(tiny_models, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8"])
 @pytest.mark.parametrize("tp_mode", [0, 1])
-@pytest.mark.usefixtures("reference_cpu_ops")
 def test_quantized_experts_tp2_equal_tp1(tiny_models, algo, tp_mode):
     """Quantized experts on two ranks (gloo): expert parallel or tensor parallel gives TP=1's greedy tokens and
     logits (float32 reference products on both). FP8 activations now and then round the float32 difference that the
@@ -319,7 +312,7 @@ def test_interpreted_fused_moe_matches_float64(algo, statics, dtype):
     """One token, more tokens than a block (not a multiple), all to one expert (the others none), and a rank
     holding experts 2-3 of 4 (expert parallel: the other entries add nothing); 96-column down inputs: no whole
     number of steps, three int4 groups of 32."""
-    from kiln.kernels.fused_moe import fused_moe
+    from kiln.kernels.triton.fused_moe import fused_moe
 
     for t, routing, first, seed in ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5)):
         x, router, gate_up, down = moe_case(algo, statics, t, 4, 64, 96, dtype, routing, seed=seed)
@@ -338,7 +331,7 @@ def _expert_slice(w, first: int, count: int):
 
 @interpreted_only
 def test_interpreted_routing_without_renormalisation_and_top_1():
-    from kiln.kernels.fused_moe import fused_moe
+    from kiln.kernels.triton.fused_moe import fused_moe
 
     x, router, gate_up, down = moe_case(None, None, 11, 8, 32, 64, torch.float32, seed=7)
     for top_k, renormalize in ((2, False), (1, True), (3, False)):
@@ -351,7 +344,7 @@ def test_interpreted_routing_without_renormalisation_and_top_1():
 def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
     """Every local entry appears once, in its expert's segment (entries in order), segments start on block
     boundaries in expert order, padding holds T·k, blocks past the last segment have expert -1."""
-    from kiln.kernels.fused_moe import align, route
+    from kiln.kernels.triton.fused_moe import align, route
 
     top_k = 2
     logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t))
@@ -372,7 +365,7 @@ def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
 
 @interpreted_only
 def test_interpreted_route_matches_torch_topk():
-    from kiln.kernels.fused_moe import route
+    from kiln.kernels.triton.fused_moe import route
 
     logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)).half()
     ids, weights = route(logits, 2, True)
@@ -385,7 +378,7 @@ class FusedMoeOps(ReferenceOps):
 
     @staticmethod
     def moe(x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
-        from kiln.kernels.fused_moe import fused_moe
+        from kiln.kernels.triton.fused_moe import fused_moe
 
         return fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo)
 

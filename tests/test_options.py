@@ -46,6 +46,7 @@ VALUES = {
         "use_paged_context_fmha": (False, {}), "multi_block_mode": (False, {}), "use_custom_all_reduce": (True, {}),
         "use_fp8_all_reduce": (True, {}), "use_fp8_cast_plugin": (True, {}), "use_async_malloc": (True, {}),
         "use_fp8_context_fmha": (True, {}), "fp8_fast_accumulation": (False, {}), "lora_plugin": ("float16", {}),
+        "programmatic_dependent_launch": (False, {}), "cpu_kernels": ("reference", {}),
     },
     "LoraConfig": {
         "lora_dir": (["adapter"], {}), "lora_target_modules": (["q_proj"], {}), "lora_ckpt_source": ("nemo", {}),

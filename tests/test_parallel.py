@@ -279,17 +279,16 @@ def test_load_by_shard_writes_the_same_ranks(tiny_models, tmp_path, monkeypatch,
     ("W8A16", None, 1e-5), ("W4A16_AWQ", "INT8", 1e-5), ("W4A16", None, 1e-5),
     ("W8A8_SQ_PER_CHANNEL_PER_TOKEN", None, 3e-2), ("FP8", "FP8", 1e-5),
 ])
-def test_quantized_models_shard(tiny_models, algo, kv, tolerance, monkeypatch):
+def test_quantized_models_shard(tiny_models, algo, kv, tolerance):
     """Sharded quantized weights compute what the unsharded ones do (per-token activation scales are per rank's
     input slice, hence the looser bound there), on the exact reference products (CpuOps' bf16 activations would
     round the two splittings differently)."""
-    from kiln.config import QuantConfig
-
-    monkeypatch.setenv("KILN_CPU_OPS", "reference")
+    from kiln.config import PluginConfig, QuantConfig
 
     hf_dir, _ = tiny_models["llama"]
     model = convert(hf_dir, quant_config=QuantConfig(algo, kv, group_size=32), calib_size=2, quiet=True)
-    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128, gather_context_logits=True)
+    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=128, gather_context_logits=True,
+                        plugin_config=PluginConfig(cpu_kernels="reference"))
     with LLM(model, build_config=build, quiet=True) as llm:
         reference = _outputs(llm)
     with LLM(model, build_config=build, quiet=True, parallel_config=ParallelConfig(tp_size=2)) as llm:

@@ -344,13 +344,11 @@ def test_decoding_mode_and_request_limits(llama):
         LLM(model, enable_trt_overlap=True, scheduling_policy=SchedulerPolicy.MAX_UTILIZATION, quiet=True)
 
 
-def test_decode_partitions_fill_the_gpu(monkeypatch):
+def test_decode_partitions_fill_the_gpu():
     """Split-K partitions: long sequences split at 512 keys; batches too small to fill the GPU split into
     partitions of ≥ 64 keys so that ~BUSY_PROGRAMS programs of the Triton kernel (four warps a program) or
-    ~BUSY_WARPS one-warp programs (mma.sync over an 8-bit cache) run; with SPLIT_SMALL_BATCHES off the Triton
-    kernel's partitions stay at 512."""
-    from kiln.runtime import model_runner
-    from kiln.runtime.model_runner import decode_partitions
+    ~BUSY_WARPS one-warp programs (mma.sync over an 8-bit cache) run."""
+    from kiln.kernels.triton.partitions import decode_partitions
 
     assert decode_partitions(512 * 8, 256, False) == (1, None)
     assert decode_partitions(8, 4096, False) == (32, 128)          # ceil(4096·8 / 264) = 125 → 128 keys
@@ -364,16 +362,11 @@ def test_decode_partitions_fill_the_gpu(monkeypatch):
     assert decode_partitions(8, 64, True) == (1, None)
     _partitions_cover_the_keys(one_warp=False)
     _partitions_cover_the_keys(one_warp=True)
-    monkeypatch.setattr(model_runner, "SPLIT_SMALL_BATCHES", False)
-    assert decode_partitions(8, 4096, False) == (8, 512)
-    assert decode_partitions(8, 400, False) == (1, None)
-    assert decode_partitions(8, 1024, True) == (16, 64)            # one-warp programs split regardless
-    _partitions_cover_the_keys(one_warp=True)
 
 
 def _partitions_cover_the_keys(one_warp: bool) -> None:
     """Every split has whole steps (16 keys for one warp, a 64-key tile otherwise) and no empty last partition."""
-    from kiln.runtime.model_runner import decode_partitions
+    from kiln.kernels.triton.partitions import decode_partitions
 
     unit = 16 if one_warp else 64
     for programs in (1, 8, 100, 1000, 3000):

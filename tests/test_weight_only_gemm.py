@@ -1,4 +1,4 @@
-"""kernels/triton_weight_only.py (weight-only W4A16/W8A16 products of more rows than the decode GEMV takes) against a
+"""kernels/triton/weight_only.py (weight-only W4A16/W8A16 products of more rows than the decode GEMV takes) against a
 float64 product of the dequantized weight (kernels/quant.py): under Triton's interpreter on the CPU (in a process of
 their own, since TRITON_INTERPRET must be set before Triton is imported) and compiled on real 8B shapes (gpu)."""
 from __future__ import annotations
@@ -51,10 +51,10 @@ def _case(algo: str, group: int | None, n: int, k: int, m: int, dtype, device="c
 
 def _layouts(params: dict, bits: int):
     """(interleaved, weight) for the engine layout and, where K allows it, the interleaved one."""
-    from kiln.kernels.triton_kernels import _block_columns, interleave_weight
+    from kiln.kernels.triton.gemv import block_columns, interleave_weight
 
     yield False, params["weight"]
-    if (params["weight"].shape[1] * 8 // bits) % _block_columns(bits) == 0:
+    if (params["weight"].shape[1] * 8 // bits) % block_columns(bits) == 0:
         yield True, interleave_weight(params["weight"], bits)
 
 
@@ -72,7 +72,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 def test_interpreted_tiled_kernel_matches_the_reference(algo, group):
     """544 columns: 4.25 groups of 128 and 8.5 of 64 (a short last group) and no whole number of 64- or 128-column
     steps; 80 rows: a partial tile of weight rows; 300 rows of x: several partial tiles of them."""
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import weight_only as wo
 
     for m, dtype in ((5, torch.float16), (17, torch.float32), (64, torch.float16), (300, torch.float16)):
         x, params, bits, ref = _case(algo, group, 80, 544, m, dtype, seed=m)
@@ -85,12 +85,12 @@ def test_interpreted_tiled_kernel_matches_the_reference(algo, group):
 @pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16_AWQ", 128), ("W4A16", None)])
 @pytest.mark.parametrize("unpack", ["GATHER", "PLANES", "RESHAPE", "RESHAPE_INNER"])
 def test_interpreted_unpacking_and_split_k_variants(algo, group, unpack):
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import tuning, weight_only as wo
 
     x, params, bits, ref = _case(algo, group, 48, 544, 9, torch.float32, seed=1)
     for interleaved, weight in _layouts(params, bits):
         for split in (1, 3):
-            config = wo.MmaConfig(block_n=32, block_m=16, block_k=128, unpack=getattr(wo, unpack), split=split)
+            config = tuning.MmaConfig(block_n=32, block_m=16, block_k=128, unpack=getattr(tuning, unpack), split=split)
             out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved,
                                   config)
             assert _rel(out, ref) < TOLERANCE[torch.float32], (interleaved, split, _rel(out, ref))
@@ -102,7 +102,7 @@ def test_interpreted_unpacking_and_split_k_variants(algo, group, unpack):
 def test_interpreted_engine_layout_of_widths_without_whole_blocks(algo, group, k):
     """Rows of whole int32 words (40 columns) or not (int4 36, int8 38): read as words or bytes; groups of 16 and
     32 make 16- and 32-column steps."""
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import weight_only as wo
 
     if algo != "W8A16" and k % 2:
         pytest.skip("int4 needs an even width")
@@ -114,7 +114,7 @@ def test_interpreted_engine_layout_of_widths_without_whole_blocks(algo, group, k
 @interpreted_only
 @pytest.mark.parametrize("algo, group", FORMATS)
 def test_interpreted_dequantize_is_the_reference_matrix(algo, group):
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import weight_only as wo
 
     x, params, bits, ref = _case(algo, group, 40, 544, 6, torch.float32)
     matrix = quant.dequantize_weight(algo, params)
@@ -130,9 +130,9 @@ def test_interpreted_dequantize_is_the_reference_matrix(algo, group):
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", 16)])
 def test_interpreted_weight_only_matmul_picks_a_path(algo, group):
     """By rows (DEQUANTIZE_MIN_ROWS), and groups of 16 interleaved (narrower than a block) dequantized."""
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import tuning, weight_only as wo
 
-    for m in (5, wo.DEQUANTIZE_MIN_ROWS[4]):
+    for m in (5, tuning.DEQUANTIZE_MIN_ROWS[4]):
         x, params, bits, ref = _case(algo, group, 40, 544, m, torch.float16, seed=m)
         for interleaved, weight in _layouts(params, bits):
             out = wo.weight_only_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
@@ -149,8 +149,8 @@ GPU_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("n, k", GPU_SHAPES)
 def test_gpu_weight_only_matmul_on_8b_shapes(algo, group, n, k):
     """bf16 x: the tiled kernel rounds only its output, dequantize + cuBLAS also the weight, to bf16."""
-    from kiln.kernels import triton_weight_only as wo
-    from kiln.kernels.triton_kernels import interleave_weight
+    from kiln.kernels.triton import weight_only as wo
+    from kiln.kernels.triton.gemv import interleave_weight
 
     for m in (8, 64, 128, 512):
         x, params, bits, ref = _case(algo, group, n, k, m, torch.bfloat16, device="cuda", seed=m)
@@ -169,14 +169,14 @@ def test_gpu_weight_only_matmul_on_8b_shapes(algo, group, n, k):
 def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
     """1000 × 2080 (a short last group, no whole 128-column step, a partial tile of rows), engine layout and
     interleaved, every unpacking, split-K on and off."""
-    from kiln.kernels import triton_weight_only as wo
+    from kiln.kernels.triton import tuning, weight_only as wo
 
     for m in (5, 33, 300):
         x, params, bits, ref = _case(algo, group, 1000, 2080, m, torch.bfloat16, device="cuda", seed=m)
         for interleaved, weight in _layouts(params, bits):
-            for unpack in (wo.GATHER, wo.PLANES, wo.RESHAPE, wo.RESHAPE_INNER):
+            for unpack in (tuning.GATHER, tuning.PLANES, tuning.RESHAPE, tuning.RESHAPE_INNER):
                 for split in (1, 4):
-                    config = wo.MmaConfig(block_n=64, block_m=32, unpack=unpack, split=split)
+                    config = tuning.MmaConfig(block_n=64, block_m=32, unpack=unpack, split=split)
                     if not wo.mma_supported(bits, group or 0, interleaved, config):
                         continue
                     out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
@@ -200,17 +200,17 @@ def _fragment_place(lane: int, i: int) -> tuple[int, int]:
 
 
 def test_int4_fragment_layout_is_mma_a_operand():
-    """int4_mma.pack puts into lane l's word p (words 8l … 8l + 7 of a 16-row × 128-column block) exactly plane p's
+    """int4_fragments.pack puts into lane l's word p (words 8l … 8l + 7 of a 16-row × 128-column block) exactly plane p's
     A fragment of mma.m16n8k16, fragment column c standing for the chunk's column 32t + 4p + 2·(c // 8) + c % 2;
     unpack undoes pack."""
-    from kiln.kernels import int4_mma, quant
+    from kiln.kernels.triton import int4_fragments
 
     g = torch.Generator().manual_seed(0)
     n, k = 32, 256
     levels = torch.randint(0, 16, (n, k), generator=g)
-    words = int4_mma.pack(quant.pack_int4(levels))
+    words = int4_fragments.pack(quant.pack_int4(levels))
     assert words.dtype == torch.int32 and words.shape == (n, k // 8)
-    assert torch.equal(int4_mma.unpack(words), quant.pack_int4(levels))
+    assert torch.equal(int4_fragments.unpack(words), quant.pack_int4(levels))
     flat = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
     for rb in range(n // 16):
         for kc in range(k // 128):
@@ -227,13 +227,13 @@ def test_int4_fragment_products_emulated():
     """The kernel's product, emulated from the PTX fragment tables on the packed words and on the x words each lane
     loads (x's columns 32t … 32t + 31 of a chunk, words 2p and 2p + 1 being plane p's B fragment b0 b1, b2 b3 for
     B rows 2t, 2t + 1, 2t + 8, 2t + 9 of column groupID): D = levels · xᵀ."""
-    from kiln.kernels import int4_mma, quant
+    from kiln.kernels.triton import int4_fragments
 
     g = torch.Generator().manual_seed(1)
     n, k, m = 16, 256, 8
     levels = torch.randint(0, 16, (n, k), generator=g)
     x = torch.randint(-4, 5, (m, k), generator=g).double()
-    flat = int4_mma.pack(quant.pack_int4(levels)).reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    flat = int4_fragments.pack(quant.pack_int4(levels)).reshape(-1).to(torch.int64) & 0xFFFFFFFF
     d = torch.zeros(16, 8, dtype=torch.float64)
     for kc in range(k // 128):
         for p in range(8):
@@ -251,71 +251,80 @@ def test_int4_fragment_products_emulated():
 
 
 def test_int4_fragment_layout_takes():
-    from kiln.kernels import int4_mma
+    from kiln.kernels.triton import int4_fragments, int4_mma
 
-    assert int4_mma.takes((4096, 4096), 32) and int4_mma.takes((6144, 4096), 1)
-    assert not int4_mma.takes((4096, 4096), 64)            # g64: two groups per chunk
-    assert not int4_mma.takes((4008, 4096), 32) and not int4_mma.takes((576, 576), 5)
+    assert int4_fragments.takes((4096, 4096), 32) and int4_fragments.takes((6144, 4096), 1)
+    assert not int4_fragments.takes((4096, 4096), 64)            # g64: two groups per chunk
+    assert not int4_fragments.takes((4008, 4096), 32) and not int4_fragments.takes((576, 576), 5)
     assert not int4_mma.available("cpu")
 
 
+def _stand_in_products(w: torch.Tensor | None = None, seen: list | None = None):
+    """QuantProducts whose int4_mma kernels are float products (w) that record their calls in `seen`, and whose
+    standalone RMSNorm is x · weight."""
+    from kiln.kernels.triton.quant_linear import QuantProducts
+
+    class StandIn(QuantProducts):
+        def int4_gemv(self, x, words, grid, silu=False, **fold):
+            seen.append((x.shape[0], silu, sorted(fold)))
+            if w is not None:
+                return x @ w.t()
+            if "residual" in fold:
+                return x[:, :8] * 2, torch.ones(1, 3)
+            return x[:, :4] if silu else x[:, :8]
+
+        def int4_dequantize(self, words, grid, dtype):
+            return w.to(dtype)
+
+        def rms_norm(self, x, weight, eps):
+            return x * weight
+
+    return StandIn()
+
+
 @pytest.mark.parametrize("rows, slices", [(1, [1]), (16, [16]), (17, [16, 1]), (32, [16, 16]), (33, [])])
-def test_fragment_products_in_row_slices(rows, slices, monkeypatch):
-    """Products on int4_mma's layout: up to FRAGMENT_SLICES slices of 16 rows go to its kernel one slice at a time
-    and come back in order; more rows to the dequantized weight. (Both kernels stood in for by float products.)"""
+def test_fragment_products_in_row_slices(rows, slices):
+    """Products on int4_mma's layout: up to tuning.FRAGMENT_SLICES slices of 16 rows go to its kernel one slice at a
+    time and come back in order; more rows to the dequantized weight. (Both kernels stood in for by float
+    products.)"""
     pytest.importorskip("triton")
-    from kiln.kernels import int4_mma
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels.triton.quant_linear import Interleaved
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(32, 64, generator=g).bfloat16()
     seen = []
-
-    def gemv(x, words, grid, launch=None, silu=False):
-        assert not silu
-        seen.append(x.shape[0])
-        return x @ w.t()
-
-    monkeypatch.setattr(int4_mma, "gemv", gemv)
-    monkeypatch.setattr(int4_mma, "dequantize", lambda words, grid, dtype: w.to(dtype))
-    monkeypatch.setattr(tk, "_launch", lambda: {})
+    products = _stand_in_products(w, seen)
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    out = tk._fragment_product(x, {"weight": None, "weight_scale": None})
-    assert seen == slices and torch.equal(out, x @ w.t())
+    out = products.linear(x, "W4A16", {"weight": None, "weight_scale": None, "layout": Interleaved(fragments=True)},
+                          None)
+    assert [n for n, _, _ in seen] == slices and torch.equal(out, x @ w.t())
 
 
-def test_folded_norms_route_to_int4_mma(monkeypatch):
-    """MMA_NORMS routing on int4_mma's layout (the kernel stood in for): one row before a deferred RMSNorm goes to the
-    residual-adding product and comes back a ResidualSum with the weighted sum; a DeferredNorm carrying it goes to the
-    1/rms-scaled product (SiLU too); more rows, no weighted sum, or the switch off apply the norm first."""
+def test_folded_norms_route_to_int4_mma():
+    """The folded RMSNorm's routing on int4_mma's layout (the kernel stood in for): one row before the norm goes to
+    the residual-adding product and comes back a ResidualSum with the weighted sum; a DeferredNorm carrying it goes
+    to the 1/rms-scaled product (SiLU too); more rows, or no weighted sum, apply the norm first. folds_norm: both
+    layers on int4_mma's layout, unless the options turn the fold off."""
     pytest.importorskip("triton")
-    from kiln.kernels import DeferredNorm, ResidualSum, int4_mma
-    from kiln.kernels import triton_kernels as tk
+    from kiln.kernels import DeferredNorm, ResidualSum, TritonOptions
+    from kiln.kernels.triton.quant_linear import Interleaved, QuantProducts
 
     calls = []
-
-    def gemv(x, words, grid, launch=None, silu=False, **fold):
-        calls.append((x.shape[0], silu, sorted(fold)))
-        if "residual" in fold:
-            return x[:, :8] * 2, torch.ones(1, 3)
-        return x[:, :4] if silu else x[:, :8]
-
-    monkeypatch.setattr(int4_mma, "gemv", gemv)
-    monkeypatch.setattr(tk, "_launch", lambda: {})
-    monkeypatch.setattr(tk, "rms_norm", lambda x, w, eps: x * w)
-    params = {"weight": None, "weight_scale": None, "layout": tk.Interleaved(fragments=True)}
+    products = _stand_in_products(seen=calls)
+    params = {"weight": None, "weight_scale": None, "layout": Interleaved(fragments=True)}
     x, residual, norm_w = torch.randn(1, 16).bfloat16(), torch.randn(1, 8).bfloat16(), torch.ones(8).bfloat16()
-    summed = tk.quant_linear_before_norm(x, "W4A16", params, None, residual, norm_w)
+    summed = products.linear_before_norm(x, "W4A16", params, None, residual, norm_w)
     assert isinstance(summed, ResidualSum) and summed.weighted is not None and calls[-1][2] == ["norm_weight",
                                                                                                  "residual"]
-    assert not isinstance(tk.quant_linear_before_norm(x.expand(2, -1), "W4A16", params, None, residual, norm_w),
+    assert not isinstance(products.linear_before_norm(x.expand(2, -1), "W4A16", params, None, residual, norm_w),
                           ResidualSum)
-    monkeypatch.setattr(tk, "MMA_NORMS", False)
-    assert not isinstance(tk.quant_linear_before_norm(x, "W4A16", params, None, residual, norm_w), ResidualSum)
     assert calls[-1][2] == []
     deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
-    for product, silu in ((tk.quant_linear, False), (tk.quant_linear_silu, True)):
-        product(deferred, "W4A16", {**params, "layout": tk.Interleaved(paired_rows=silu, fragments=True)}, None)
+    for product, silu in ((products.linear, False), (products.linear_silu, True)):
+        product(deferred, "W4A16", {**params, "layout": Interleaved(paired_rows=silu, fragments=True)}, None)
         assert calls[-1] == (1, silu, ["rms_of"])
-    tk.quant_linear(DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5), "W4A16", params, None)
+    products.linear(DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5), "W4A16", params, None)
     assert calls[-1] == (1, False, [])
+    interleaved = {**params, "layout": Interleaved()}
+    assert products.folds_norm(params, params) and not products.folds_norm(params, interleaved)
+    assert not QuantProducts(TritonOptions(fold_norms=False)).folds_norm(params, params)

@@ -52,6 +52,13 @@ class PluginConfig:
     exact float32 accumulation."""
     lora_plugin: str | None = None
     """LoRA kernel dtype; None disables LoRA."""
+    programmatic_dependent_launch: bool = True
+    """On sm_90+ GPUs each kernel may start while the one before it finishes (it waits for its inputs in the
+    kernel), inside CUDA graphs too; off for plain launches. Kiln's own flag: TensorRT-LLM has no such plugin."""
+    cpu_kernels: str = "fast"
+    """On the CPU: fast runs int8/int4 layers on PyTorch's packed CPU kernels with bf16 activations; reference keeps
+    every layer on the exact reference products (as docs/quantization.md's accuracy tables are measured). Kiln's own
+    flag."""
 
     def __post_init__(self):
         if self.gemm_plugin == "disable":
@@ -69,6 +76,7 @@ class PluginConfig:
         reject_unsupported(self, ["use_fp8_all_reduce"], "Kiln all-reduces in the model's dtype")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
         reject_unsupported(self, ["lora_plugin"], "LoRA is not implemented yet")
+        require_choice("PluginConfig", "cpu_kernels", self.cpu_kernels, ("fast", "reference"))
 
 
 @dataclass

@@ -1,16 +1,20 @@
-"""Kernels, chosen once when a network is loaded: `ReferenceOps` (pure torch: the CPU path and the oracle)
-or `TritonOps` (NVIDIA GPUs). Both offer the same operations on the same shapes."""
+"""Kernels, chosen once when a network is loaded: `ReferenceOps` (pure torch: the CPU path and the oracle),
+`CpuOps` (the CPU's quantized products) or `TritonOps` (NVIDIA GPUs: the kernels of kiln/kernels/triton/). All offer
+the same operations on the same shapes; `select_ops` picks one."""
 from __future__ import annotations
 
-import os
+import functools
 import sys
 
 import torch
 
 from . import quant, reference
-from .folded import DeferredNorm, ResidualSum
+from .fusion import DeferredNorm, NormSite, ResidualSum, SiluSite, fuse
 from .metadata import AttentionMetadata
 from .rotary import rope_cos_sin, rope_inv_freq
+from .triton.tuning import LONG_CONTEXT, TritonOptions
+
+CPU_KERNELS = ("fast", "reference")
 
 
 class ReferenceOps:
@@ -22,6 +26,7 @@ class ReferenceOps:
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
     quant_linear = staticmethod(quant.quant_linear)
+    long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
 
     @staticmethod
     def pack_quant(algo: str, params: dict, gated: bool = False):
@@ -34,12 +39,16 @@ class ReferenceOps:
         """SiLU(gate)·up of a quantized gate/up projection of x."""
         return cls.silu_and_mul(cls.quant_linear(x, algo, params, bias))
 
-    @classmethod
-    def quant_linear_before_norm(cls, x, algo: str, params: dict, bias, residual, norm_weight=None):
-        """A quantized layer whose output is added to `residual` and RMS-normalized next (with `norm_weight`, where
-        that norm is deferred to the layer after): the product, or where a kernel folds the add in, a
-        folded.ResidualSum (TritonOps' decode GEMV). The reference returns the product (the RMSNorm adds)."""
-        return cls.quant_linear(x, algo, params, bias)
+    @staticmethod
+    def folds_norm(before: dict, after: dict) -> bool:
+        """Whether the residual add and RMSNorm between two quantized layers (their parameters) fold into their
+        products (kiln.kernels.fusion); the reference never folds."""
+        return False
+
+    @staticmethod
+    def decode_partitions(batch: int, max_keys: int, heads: int, kv_cache: torch.Tensor) -> tuple[int, int | None]:
+        """Split-K partitions (num_parts, part_tokens) of a decode step's attention; the reference needs none."""
+        return 1, None
 
     # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
     @staticmethod
@@ -81,81 +90,81 @@ class ReferenceOps:
 
 
 class TritonOps(ReferenceOps):
+    """The GPU's kernels (kiln/kernels/triton/), with the choices of `options`."""
+
     name = "triton"
 
-    def __init__(self, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
-        from . import fused_moe, triton_kernels
+    def __init__(self, options: TritonOptions = TritonOptions()):
+        from .triton import (argmax, decode_attention, fused_moe, launch, norms, paged_attention, quant_linear,
+                             rope_cache)
 
-        self._k = triton_kernels
-        self._moe = fused_moe
-        self.context_fmha = context_fmha
-        self.fp8_fast_accumulation = fp8_fast_accumulation
-        self.rms_norm = triton_kernels.rms_norm
-        self.add_rms_norm = triton_kernels.add_rms_norm
-        self.silu_and_mul = triton_kernels.silu_and_mul
-        self.rms_norm_fp8 = triton_kernels.rms_norm_fp8
-        self.add_rms_norm_fp8 = triton_kernels.add_rms_norm_fp8
-        self.silu_and_mul_fp8 = triton_kernels.silu_and_mul_fp8
-        self.argmax_rows = triton_kernels.argmax_rows
+        self.options = options
+        self.launch = launch.launch_options(options.pdl)
+        self._decode, self._attention, self._rope, self._moe = decode_attention, paged_attention, rope_cache, fused_moe
+        self.products = quant_linear.QuantProducts(options)
+        with_launch = lambda fn: functools.partial(fn, launch=self.launch)  # noqa: E731
+        self.rms_norm, self.add_rms_norm = with_launch(norms.rms_norm), with_launch(norms.add_rms_norm)
+        self.rms_norm_fp8, self.add_rms_norm_fp8 = with_launch(norms.rms_norm_fp8), with_launch(norms.add_rms_norm_fp8)
+        self.silu_and_mul, self.silu_and_mul_fp8 = with_launch(norms.silu_and_mul), with_launch(norms.silu_and_mul_fp8)
+        self.argmax_rows = with_launch(argmax.argmax_rows)
+        self.pack_quant, self.quant_linear = self.products.pack, self.products.linear
+        self.quant_linear_silu = self.products.linear_silu
+        self.quant_linear_before_norm, self.folds_norm = self.products.linear_before_norm, self.products.folds_norm
 
     def rope_and_cache(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale=None):
-        return self._k.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim,
-                                      kv_scale)
+        return self._rope.rope_and_cache(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads,
+                                         head_dim, kv_scale, self.launch)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
-        if meta.max_query_len > 1 and not self.context_fmha:
+        if meta.max_query_len > 1 and not self.options.context_fmha:
             return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
-        return self._k.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
-                                       part_tokens=meta.part_tokens, kv_scale=kv_scale)
+        return self._attention.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                               meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
+                                               part_tokens=meta.part_tokens, kv_scale=kv_scale, launch=self.launch)
 
     def rope_cache_attention(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, scale,
                              sliding_window, kv_scale=None):
-        if not self._k.fused_decode_takes(qkv, kv_cache, meta.max_query_len, meta.num_parts, head_dim, kv_scale):
+        if not self._decode.fused_decode_takes(qkv, kv_cache, meta.max_query_len, meta.num_parts, head_dim, kv_scale):
             q = self.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
             return self.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
-        return self._k.decode_attention(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, meta.block_tables,
-                                        meta.seq_lens, heads, kv_heads, head_dim, scale, sliding_window,
-                                        meta.num_parts, meta.part_tokens)
+        return self._decode.decode_attention(qkv, positions, cos_sin, kv_cache, meta.slot_mapping, meta.block_tables,
+                                             meta.seq_lens, heads, kv_heads, head_dim, scale, sliding_window,
+                                             meta.num_parts, meta.part_tokens, launch=self.launch)
+
+    def decode_partitions(self, batch: int, max_keys: int, heads: int, kv_cache: torch.Tensor):
+        """Split-K partitions (num_parts, part_tokens) of a decode step of `batch` sequences over up to max_keys keys
+        of kv_cache (one layer's: (2, blocks, tokens_per_block, KH, D)), for the kernel that will run it."""
+        from .triton.partitions import decode_partitions
+
+        kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        one_warp = self._attention.decode_mma(kv_cache.dtype, head_dim, heads // kv_heads, kv_cache.shape[2],
+                                              kv_cache.device)
+        return decode_partitions(batch * kv_heads, max_keys, one_warp)
 
     def moe(self, x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
         return self._moe.fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo,
-                                   self.fp8_fast_accumulation)
-
-    def quant_linear(self, x, algo, params, bias=None):
-        return self._k.quant_linear(x, algo, params, bias, self.fp8_fast_accumulation)
-
-    def quant_linear_silu(self, x, algo, params, bias=None):
-        return self._k.quant_linear_silu(x, algo, params, bias, self.fp8_fast_accumulation)
-
-    def quant_linear_before_norm(self, x, algo, params, bias, residual, norm_weight=None):
-        return self._k.quant_linear_before_norm(x, algo, params, bias, residual, norm_weight,
-                                                self.fp8_fast_accumulation)
-
-    def pack_quant(self, algo: str, params: dict, gated: bool = False):
-        return self._k.pack_quant(algo, params, gated)
+                                   self.options.fp8_fast_accumulation, launch=self.launch)
 
 
-def select_ops(device: torch.device | str, context_fmha: bool = True, fp8_fast_accumulation: bool = True):
-    """The fastest kernels available on `device`; a GPU without Triton falls back to the reference, announced.
-    KILN_CPU_OPS=reference keeps the CPU on the exact reference products (CpuOps runs int8/int4 layers with bf16
-    activations); the variable reaches spawned tensor-parallel workers too."""
+def select_ops(device: torch.device | str, options: TritonOptions = TritonOptions(), cpu_kernels: str = "fast"):
+    """The fastest kernels available on `device`, with `options` on a GPU; a GPU without Triton falls back to the
+    reference, announced. cpu_kernels (PluginConfig.cpu_kernels): "fast" runs int8/int4 layers on PyTorch's packed
+    CPU kernels with bf16 activations (CpuOps), "reference" keeps the CPU on the exact reference products."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r}: expected one of {CPU_KERNELS}")
     if torch.device(device).type == "cpu":
-        choice = os.environ.get("KILN_CPU_OPS", "fast")
-        if choice not in ("fast", "reference"):
-            raise ValueError(f"KILN_CPU_OPS={choice!r}: expected 'fast' or 'reference'")
-        if choice == "reference":
+        if cpu_kernels == "reference":
             return ReferenceOps()
         from .cpu import CpuOps
         return CpuOps()
     if torch.device(device).type != "cuda":
         return ReferenceOps()
     try:
-        return TritonOps(context_fmha, fp8_fast_accumulation)
+        return TritonOps(options)
     except ImportError as err:
         print(f"kiln: Triton is not available ({err}); using the reference kernels on the GPU", file=sys.stderr)
         return ReferenceOps()
 
 
-__all__ = ["AttentionMetadata", "DeferredNorm", "ReferenceOps", "ResidualSum", "TritonOps", "reference", "rope_cos_sin",
-           "rope_inv_freq", "select_ops"]
+__all__ = ["AttentionMetadata", "DeferredNorm", "NormSite", "ReferenceOps", "ResidualSum", "SiluSite", "TritonOps",
+           "TritonOptions", "fuse", "reference", "rope_cos_sin", "rope_inv_freq", "select_ops"]

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import PretrainedConfig
-from kiln.kernels import (AttentionMetadata, DeferredNorm, ReferenceOps, ResidualSum, reference, rope_cos_sin,
-                          select_ops)
+from kiln.kernels import AttentionMetadata, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin, select_ops
 
 from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
 from kiln.checkpoint.sharding import local_dims
@@ -22,8 +21,6 @@ from .base import PretrainedModel
 
 class RMSNorm(nn.Module):
     ops = ReferenceOps  # the kernels; DecoderForCausalLM.load sets the device's choice on every module
-    fp8_out = False     # output quantized per token (Fp8Rows) for the FP8 layer it feeds (set at load)
-    deferred = False    # left to the quantized layer it feeds where the kernel before summed the residual (at load)
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -31,17 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, residual=None):
-        """(norm of x + residual, x + residual); x may be a ResidualSum (the sum made by the GEMV before), whose
-        norm may be deferred to the GEMV after (DeferredNorm)."""
-        if isinstance(x, ResidualSum):
-            if self.deferred:
-                return DeferredNorm(x.residual, x.sum_squares, self.weight, self.eps, x.weighted), x.residual
-            x, residual = x.residual, None
+        """(norm of x + residual, x + residual)."""
         if residual is None:
-            norm = self.ops.rms_norm_fp8 if self.fp8_out else self.ops.rms_norm
-            return norm(x, self.weight, self.eps), x
-        norm = self.ops.add_rms_norm_fp8 if self.fp8_out else self.ops.add_rms_norm
-        return norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -54,9 +44,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x, silu: bool = False, residual=None):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output. (`residual`, what the output is added
-        to next, lets quantized layers fold the add in; here the RMSNorm after adds it.)"""
+    def forward(self, x, silu: bool = False):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output."""
         out = self.ops.linear(x, self.weight, self.bias)
         return self.ops.silu_and_mul(out) if silu else out
 
@@ -67,8 +56,6 @@ class QuantLinear(nn.Module):
     ops = ReferenceOps
     layout = None      # the kernels' own weight layout (set at load), or None: the engine's
     gated = False      # a gated MLP's gate/up projection: the kernels may pair its rows for calls with silu=True
-    norm_after = None  # the deferred RMSNorm after this layer's residual add, whose weight its kernel may apply
-                       # (set at load: DecoderLayer.hand_norms_to_quantized_layers)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shapes: dict[str, tuple], algo: str):
         super().__init__()
@@ -90,15 +77,10 @@ class QuantLinear(nn.Module):
             for name, tensor in tensors.items():
                 setattr(self, name, tensor)
 
-    def forward(self, x, silu: bool = False, residual=None):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it); residual:
-        what the output is added to and RMS-normalized after, which the kernel may fold in (ResidualSum)."""
+    def forward(self, x, silu: bool = False):
+        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it)."""
         if silu:
             return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)
-        if residual is not None:
-            norm_weight = None if self.norm_after is None else self.norm_after.weight
-            return self.ops.quant_linear_before_norm(x, self.algo, self.quant_params(), self.bias, residual,
-                                                     norm_weight)
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
 
     @property
@@ -143,23 +125,17 @@ class Attention(nn.Module):
         # (k scale, v scale) of a quantized cache; None keeps the cache in the model's dtype
         self.register_buffer("kv_scale", torch.empty(2) if config.quantization.kv_cache_quant_algo else None)
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin, residual=None):
-        """The attention output projected, or (one rank, where o_proj's kernel folds the add in) already added to
-        `residual` as a ResidualSum."""
+    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
         t = x.shape[0]
         out = self.ops.rope_cache_attention(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads,
                                             self.kv_heads, self.head_dim, self.scale, self.sliding_window,
                                             self.kv_scale)                          # (T, H, D); k, v cached
-        out = out.reshape(t, self.heads * self.head_dim)
-        if self.comm.tp_size == 1:
-            return self.o_proj(out, residual=residual)
-        return self.comm.all_reduce(self.o_proj(out))
+        out = self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return self.comm.all_reduce(out) if self.comm.tp_size > 1 else out
 
 
 class GatedMLP(nn.Module):
-    ops = ReferenceOps
     comm = Comm()
-    fp8_act = False     # SiLU's output quantized per token for an FP8 down_proj (set at load)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -169,12 +145,9 @@ class GatedMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gated = True
 
-    def forward(self, x, residual=None):
-        """As Attention.forward: one rank's down_proj may add its output to `residual` (ResidualSum)."""
-        act = self.ops.silu_and_mul_fp8(self.gate_up_proj(x)) if self.fp8_act else self.gate_up_proj(x, silu=True)
-        if self.comm.tp_size == 1:
-            return self.down_proj(act, residual=residual)
-        return self.comm.all_reduce(self.down_proj(act))
+    def forward(self, x):
+        out = self.down_proj(self.gate_up_proj(x, silu=True))
+        return self.comm.all_reduce(out) if self.comm.tp_size > 1 else out
 
 
 class QuantExperts(nn.Module):
@@ -234,37 +207,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config)
 
-    def quantize_activations_where_made(self) -> None:
-        """Layers with per-token FP8 activations get them from the norm or SiLU before them, already quantized."""
-        takes = lambda linear: isinstance(linear, QuantLinear) and linear.takes_fp8_rows  # noqa: E731
-        self.input_norm.fp8_out = takes(self.attn.qkv_proj)
-        if hasattr(self, "mlp"):
-            self.post_attn_norm.fp8_out = takes(self.mlp.gate_up_proj)
-            self.mlp.fp8_act = takes(self.mlp.down_proj)
-
-    def defer_norms_to_quantized_layers(self) -> None:
-        """Each RMSNorm feeding a quantized layer leaves itself to that layer's kernel when the kernel before it
-        summed the residual (decode GEMVs: kernels/folded.py); the reference never sums, so nothing is deferred."""
-        self.input_norm.deferred = isinstance(self.attn.qkv_proj, QuantLinear) and not self.input_norm.fp8_out
-        if hasattr(self, "mlp"):
-            self.post_attn_norm.deferred = (isinstance(self.mlp.gate_up_proj, QuantLinear)
-                                            and not self.post_attn_norm.fp8_out)
-
-    def hand_norms_to_quantized_layers(self, next_input_norm: RMSNorm | None) -> None:
-        """o_proj and down_proj learn the deferred RMSNorm after their residual add (the next layer's input norm
-        for down_proj), whose weight their kernel may apply to the sum it makes (kernels/folded.py)."""
-        pairs = [(self.attn.o_proj, self.post_attn_norm)]
-        if hasattr(self, "mlp"):
-            pairs.append((self.mlp.down_proj, next_input_norm))
-        for linear, norm in pairs:
-            if isinstance(linear, QuantLinear) and norm is not None and norm.deferred:
-                object.__setattr__(linear, "norm_after", norm)     # a reference, not a submodule: no state_dict entry
-
     def forward(self, x, residual, positions, meta, kv_cache, cos_sin):
         x, residual = self.input_norm(x, residual)
-        x = self.attn(x, positions, meta, kv_cache, cos_sin, residual)
+        x = self.attn(x, positions, meta, kv_cache, cos_sin)
         x, residual = self.post_attn_norm(x, residual)
-        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x, residual)), residual
+        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x)), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -306,13 +253,24 @@ class DecoderForCausalLM(nn.Module):
                 module.comm = net.comm
             if isinstance(module, QuantLinear):
                 module.use_kernel_layout()
-        layers = list(net.layers.values())
-        for layer in layers:
-            layer.quantize_activations_where_made()
-            layer.defer_norms_to_quantized_layers()
-        for layer, after in zip(layers, layers[1:] + [None]):
-            layer.hand_norms_to_quantized_layers(after.input_norm if after is not None else None)
+        fuse(net, net.ops, net.fusion_sites())
         return net.eval()
+
+    def fusion_sites(self) -> list[NormSite | SiluSite]:
+        """Where the kernels may do two modules' work (kiln.kernels.fusion): each RMSNorm with the linear layer that
+        reads it and the one whose output it adds to the residual stream (one rank: no all-reduce between), each
+        gated MLP's SiLU with down_proj."""
+        sites, before = [], None
+        one_rank = self.comm.tp_size == 1
+        for name, layer in self.layers.items():
+            at, mlp = f"layers.{name}", hasattr(layer, "mlp")
+            sites.append(NormSite(f"{at}.input_norm", f"{at}.attn.qkv_proj", before))
+            sites.append(NormSite(f"{at}.post_attn_norm", f"{at}.mlp.gate_up_proj" if mlp else None,
+                                  f"{at}.attn.o_proj" if one_rank else None))
+            if mlp:
+                sites.append(SiluSite(f"{at}.mlp.gate_up_proj", f"{at}.mlp.down_proj"))
+            before = f"{at}.mlp.down_proj" if mlp and one_rank else None
+        return sites
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (T, hidden); a table split across ranks is looked up piecewise and combined."""
@@ -334,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin)
         if not self.dims.last_stage:
-            return x.residual if isinstance(x, ResidualSum) else x + residual
+            return x + residual
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -3,14 +3,13 @@ graph for one-token steps on a GPU), keeps each finished sequence's last logits 
 and samples — greedy requests in one batched argmax, with one device-to-host copy per step."""
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from kiln.builder import Engine
-from kiln.kernels import AttentionMetadata, select_ops
+from kiln.kernels import AttentionMetadata, TritonOptions, select_ops
 from kiln.models import model_class
 
 from . import sampler
@@ -19,33 +18,6 @@ from .kernel_cache import count_entries, install
 from .request import PENDING_TOKEN, Request, Sequence
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 from .step import Step, split_step
-
-PARTITION_TOKENS = 512   # multi_block_mode: each decode-attention program covers this many keys
-BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
-LONG_CONTEXT = 1024      # decode batches with longer sequences use the split-K variant whatever their size
-BUSY_WARPS = 2048        # one-warp decode programs (an 8-bit cache on mma.sync): ~16 per multiprocessor
-MIN_PARTITION = 64       # keys of the shortest partition (four 16-key steps of one warp, one tile of the Triton kernel)
-SPLIT_SMALL_BATCHES = True   # the Triton kernel's small batches split too, as one-warp programs do (not only at 512)
-
-
-def decode_partitions(programs: int, max_keys: int, one_warp: bool) -> tuple[int, int | None]:
-    """Split-K partitions (num_parts, part_tokens) of decode attention with `programs` (sequence, KV head) pairs
-    over up to max_keys keys: when the pairs alone leave the GPU idle, or when sequences are long enough that one
-    program per pair would stream its keys too slowly. Batches of fewer pairs than fill the GPU (BUSY_PROGRAMS, or
-    ~8× more one-warp programs: BUSY_WARPS) get partitions of fewer keys, down to MIN_PARTITION, so that
-    programs × partitions fill it (SPLIT_SMALL_BATCHES off: the Triton kernel's partitions stay at 512)."""
-    busy = BUSY_WARPS if one_warp else BUSY_PROGRAMS
-    shrink = one_warp or SPLIT_SMALL_BATCHES
-    if max_keys <= (MIN_PARTITION if shrink else PARTITION_TOKENS) or (programs >= busy and max_keys <= LONG_CONTEXT):
-        return 1, None
-    part = PARTITION_TOKENS
-    if shrink and programs < busy:
-        unit = 16 if one_warp else MIN_PARTITION                          # a one-warp step; a Triton tile
-        wanted = -(-max_keys * programs // busy)                           # keys per partition to fill the GPU
-        part = min(PARTITION_TOKENS, max(MIN_PARTITION, -(-wanted // unit) * unit))
-    parts = -(-max_keys // part)
-    return (1, None) if parts == 1 else (parts, part)
-
 
 @dataclass
 class StepLogits:
@@ -96,7 +68,9 @@ class ModelRunner:
         plugins = build.plugin_config
         self.net = model_class(config.architecture).network_class.load(
             config, engine.weights[rank], build.max_seq_len, device,
-            ops=select_ops(device, plugins.context_fmha, plugins.fp8_fast_accumulation),
+            ops=select_ops(device, TritonOptions(context_fmha=plugins.context_fmha,
+                                                 fp8_fast_accumulation=plugins.fp8_fast_accumulation,
+                                                 pdl=plugins.programmatic_dependent_launch), plugins.cpu_kernels),
             comm=parallel.comm if parallel is not None else None)
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
@@ -138,7 +112,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
-                                         self.tokens_per_block, self._parts, LONG_CONTEXT)
+                                         self.tokens_per_block, self._parts, self.net.ops.long_context)
         except RuntimeError as err:
             if self.parallel is None:
                 raise
@@ -154,27 +128,18 @@ class ModelRunner:
 
     def _graph_parts(self, batch: int, max_seq_len: int) -> tuple[int, int | None]:
         """Split-K partitions of a one-token step run without a graph, as the CUDA graph of its bucket has them (its
-        long-sequence graph past LONG_CONTEXT): the same split, so the same roundings, in a graph or not."""
+        long-sequence graph past the ops' long_context): the same split, so the same roundings, in a graph or not."""
         from .cuda_graphs import bucket_keys, bucket_of, bucket_sizes
 
-        keys = bucket_keys(self.max_blocks_per_seq * self.tokens_per_block, LONG_CONTEXT, max_seq_len > LONG_CONTEXT)
+        long_context = self.net.ops.long_context
+        keys = bucket_keys(self.max_blocks_per_seq * self.tokens_per_block, long_context, max_seq_len > long_context)
         return self._parts(bucket_of(bucket_sizes(self.max_decode_batch), batch), keys)
 
     def _parts(self, batch: int, max_keys: int) -> tuple[int, int | None]:
-        """Split-K partitions for a decode step of `batch` sequences (decode_partitions)."""
+        """Split-K partitions for a decode step of `batch` sequences (the ops' decode_partitions)."""
         if not self.multi_block_mode:
             return 1, None
-        return decode_partitions(batch * self.net.dims.kv_heads, max_keys, self._one_warp_decode)
-
-    @functools.cached_property
-    def _one_warp_decode(self) -> bool:
-        """Decode attention runs one warp per program (the mma.sync kernel over an 8-bit cache)."""
-        if self.device.type != "cuda" or self.net.ops.name != "triton":
-            return False
-        from kiln.kernels import triton_kernels
-        dims = self.net.dims
-        return triton_kernels.decode_mma(self.kv_dtype, self.config.head_dim, dims.heads // dims.kv_heads,
-                                         self.tokens_per_block, self.device)
+        return self.net.ops.decode_partitions(batch, max_keys, self.net.dims.heads, self.kv_caches[0])
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -279,7 +244,7 @@ class ModelRunner:
                 and self.graphs.fits(n)):
             self._copy_blocks(step.block_copies)
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                   step.block_tables, long=step.max_seq_len > LONG_CONTEXT, fill=fill)
+                                   step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill)
         if self.parallel is not None and self.config.mapping.pp_size > 1:
             return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)

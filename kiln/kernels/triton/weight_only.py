@@ -2,7 +2,7 @@
 batches): a tensor-core kernel that unpacks the weight in registers, and for long prompts a dequantize-to-float
 kernel followed by cuBLAS.
 
-Both read the engine layout (kernels/quant.py) or the interleaved one (triton_kernels.interleave_weight). A weight
+Both read the engine layout (kernels/quant.py) or the interleaved one (gemv.interleave_weight). A weight
 row is read in units: int32 words (interleaved, or the engine layout when a row is a whole number of words) or
 bytes. Value j of unit u stands for column VALS·u + j (engine layout; VALS values per unit) or, interleaved, for
 column 4j + u % 4 of the unit's 16-byte block. The tensor-core kernel never restores the column order: a product
@@ -16,34 +16,11 @@ float32 sums: Σ x·(q - z)·s = s·(Σ x·q - z·Σ x).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-# Rows from which weight_only_matmul dequantizes the weight to x's dtype and calls cuBLAS, per weight bits
-# (benchmarks/weight_only_gemm.py on the H200, 2026-12-01: int8 dequantize + cuBLAS wins from 512 rows on every
-# 8B shape and loses at 128; int4 wins at 2048 and loses at 512).
-DEQUANTIZE_MIN_ROWS = {4: 1024, 8: 256}
-
-GATHER, PLANES, RESHAPE, RESHAPE_INNER = 0, 1, 2, 3     # how a tile's levels are unpacked (MmaConfig.unpack)
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """Tile of the tensor-core kernel: BLOCK_N weight rows × BLOCK_M rows of x per program, BLOCK_K columns a step
-    (at most the group). split: programs sharing one tile's K (0: enough to fill the GPU). unpack: GATHER loads each
-    unit once per value it holds (cached) into one (BLOCK_N, BLOCK_K) tile; PLANES loads units once and runs one
-    dot per value plane; RESHAPE loads once and reshapes (rows, values, units) into one tile, RESHAPE_INNER
-    (rows, units, values): each unit's values side by side."""
-    block_n: int = 64
-    block_m: int = 16
-    block_k: int = 128
-    unpack: int = GATHER
-    split: int = 0
-    num_warps: int = 4
-    num_stages: int = 3
+from .tuning import DEQUANTIZE_MIN_ROWS, MMA_CONFIGS, PLANES, RESHAPE, MmaConfig
 
 
 @triton.jit
@@ -274,7 +251,7 @@ def _units(weight: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def _group(k: int, scale2d: torch.Tensor) -> int:
     """The group size of a (N, groups) scale, 0 for one per row."""
-    from .quant import int4_group_size
+    from ..quant import int4_group_size
 
     groups = scale2d.shape[1]
     return 0 if groups == 1 else int4_group_size(k, groups)
@@ -290,19 +267,6 @@ def sm_count(device: torch.device) -> int:
     if device not in _SM_COUNT:
         _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device]
-
-
-# Per weight bits, (rows of x up to, MmaConfig): the first whose bound holds. The fastest over the four 8B shapes
-# in benchmarks/weight_only_gemm.py on the H200 (2026-12-01; docs/quantization.md).
-MMA_CONFIGS = {
-    4: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
-        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
-        (64, MmaConfig(block_n=128, block_m=64, unpack=RESHAPE_INNER)),
-        (1 << 62, MmaConfig(block_n=128, block_m=128, unpack=RESHAPE, num_warps=8))],
-    8: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
-        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
-        (1 << 62, MmaConfig(block_n=128, block_m=64, unpack=PLANES, num_warps=8))],
-}
 
 
 def mma_config(m: int, bits: int) -> MmaConfig:

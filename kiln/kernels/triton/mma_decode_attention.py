@@ -1,7 +1,7 @@
 """Decode attention over an 8-bit KV cache (e4m3 or int8) on mma.sync, with every cached byte loaded straight into
 the register where the tensor cores take it: no shared memory, no layout conversions.
 
-Why: the Triton kernel (triton_kernels._paged_attention_kernel) reads a quantized cache at 1.6-1.7 TB/s against
+Why: the Triton kernel (paged_attention._paged_attention_kernel) reads a quantized cache at 1.6-1.7 TB/s against
 3.7 TB/s for bf16, because the converted tiles reach the tensor cores through shared memory (benchmarks/gpu_suite.py
 attn_sweep). Here one warp is one (sequence, KV head, partition); it walks its keys 16 at a time.
 
@@ -18,7 +18,7 @@ heads of the KV head (GROUP ≤ 8; the others are zero columns, never stored).
   (g, t) loads keys 2t, 2t + 1, 2t + 8, 2t + 9 at dims (DIM/8)·g … + DIM/8 - 1 (16 bytes for DIM 128) and pairs
   their bytes with prmt.
 Lane (g, t) keeps heads 2t and 2t + 1 (softmax statistics and output), so the rescaling needs no shuffles. Scores
-in base-2 exponent units, the online softmax and the split-K partials (for triton_kernels._merge_kernel) follow the
+in base-2 exponent units, the online softmax and the split-K partials (for paged_attention._merge_kernel) follow the
 Triton kernel; the KV scales are applied once, to the scores and to the output.
 """
 from __future__ import annotations
@@ -342,7 +342,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      query_start_loc: torch.Tensor, scale: float, sliding_window: int | None, kv_scale: torch.Tensor,
                      out: torch.Tensor, partials: tuple | None, num_parts: int, part_tokens: int, launch: dict):
     """One query token per sequence (q (T, H, D)) over an 8-bit paged cache (takes()) → out; with num_parts > 1
-    the (m, l, acc) partials of triton_kernels._merge_kernel instead (part_tokens a multiple of 16)."""
+    the (m, l, acc) partials of paged_attention._merge_kernel instead (part_tokens a multiple of 16)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     part_m, part_l, part_acc = partials if partials is not None else (out, out, out)

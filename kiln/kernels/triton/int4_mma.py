@@ -1,36 +1,29 @@
-"""int4 weights in the tensor cores' fragment layout: packing, the decode product (≤ 16 rows of x) on mma.sync, and
-a dequantize kernel for the products of more rows.
+"""int4 layers on the tensor cores: the decode product of ≤ 16 rows of x on mma.sync, on the fragment layout of
+int4_fragments (reference: quant.quant_linear). Chosen for the layers where it beats the CUDA-core GEMV
+(tuning.INT4_MMA_SHAPES); it writes SiLU(gate)·up itself on gate/up blocks paired at load, and at one row folds the
+RMSNorm between two products in (kiln.kernels.fusion).
 
-Why: the CUDA-core decode GEMV (triton_kernels._weight_only_gemv_kernel) spends 3.2 instructions per int4 value
-in sm_90 SASS (824 a loop iteration of 256 values, ~375 on the half-rate integer pipe), and that, not DRAM, bounds
-it at 1.9–2.8 TB/s. Here one int32 word is exactly one lane's share of a 16×16 A operand of `mma.sync.m16n8k16`:
-four `lop3`s (three shifts) OR the levels into the mantissa of a power of two M, giving M + q exactly, and one mma
+Why: the CUDA-core decode GEMV (gemv._weight_only_gemv_kernel) spends 3.2 instructions per int4 value in sm_90
+SASS (824 a loop iteration of 256 values, ~375 on the half-rate integer pipe), and that, not DRAM, bounds it at
+1.9–2.8 TB/s. Here one int32 word is exactly one lane's share of a 16×16 A operand of `mma.sync.m16n8k16`: four
+`lop3`s (three shifts) OR the levels into the mantissa of a power of two M, giving M + q exactly, and one mma
 multiplies the four pairs by x. bf16 (M = 128) multiplies M + q as it is and takes (M + z)·Σ x off per group;
 fp16 (M = 1024, whose offset would cost too many of the accumulator's bits) first subtracts M + 8 with four packed
-FMAs (signed levels). Weights, x and each chunk's scales and zero points (pack_grid: one 16-byte load per lane; as
-separate (N, G) float32 rows they cost gate_up 30.0 -> 22.9 µs on an H200) come in 16-byte loads.
+FMAs (signed levels). Weights, x and each chunk's scales and zero points come in 16-byte loads. Each group's
+scale and zero point are applied to a chunk's float32 sums (fresh mma accumulators per chunk):
+Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x) for the A operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming
+from mma on a ones matrix.
 
 What bounds it at one row is instruction issue, not DRAM: on the H200 the 8B gate_up's words alone stream in 15.6 µs
 through TMA into shared memory, the products alone (no weight loads) took 18.2 µs, and both 22.8 — so staging the
 words in shared memory (TMA or cp.async), however deep, changes nothing, and every instruction saved a chunk counts.
-Fourth version (sm_90 SASS, bf16, one row, per chunk of a row block): 138 → 121 instructions with one row block a
-program, 104 with two (gate_up) — Σ x of a chunk in one mma instead of eight (_ROW_SUM; eight chained on the same
+Per chunk of a row block (sm_90 SASS, bf16, one row) the kernel spends 121 instructions with one row block a
+program and 104 with two (gate_up): Σ x of a chunk is one mma instead of eight (_ROW_SUM; eight chained on the same
 C registers, no zeroing, for more rows), shared by the RB row blocks of a program together with x's B fragments;
 no products for x row 1 at one row; EVEN shapes without masks (masked loads zero their registers first). A warp
-takes its chunks in steps of 1–8 (`config`, chosen per shape after a short kernel, as in a decode step) with the
-next step's words and scales in flight, the first step's loaded before the PDL wait: o_proj's warps hold all
-their chunks before attention ends.
-
-Layout (made at load, never stored): a row block of 16 rows × a chunk of 128 columns is 256 words; lane l = 4g + t
-holds words 8l … 8l + 7 (planes p = 0..7: 32 contiguous bytes, two 16-byte loads). As mma's A fragment, plane p of
-lane (g, t) holds rows g and g + 8 at fragment columns 2t, 2t + 1, 2t + 8, 2t + 9: nibble h + 2·kh + 4·ki is row
-g + 8h, fragment column c = 8kh + 2t + ki. Fragment columns are not the chunk's columns in order: a product is the
-same for any order of its reduction as long as A and B agree, and the kernel's is column 32t + 4p + 2kh + ki of
-the chunk, so that lane t's B fragments for all eight planes are x's 32 contiguous columns 32t … 32t + 31 (64
-bytes, four 16-byte loads; words 2p, 2p + 1 are plane p's). Each group's scale and zero point are applied to a
-chunk's float32 sums (fresh mma accumulators per chunk): Σ x·(q - z)·s = s·(Σ x·a - (z - a₀)·Σ x) for the A
-operand's a = q - a₀ (a₀ = -M in bf16, 8 in fp16), Σ x coming from mma on a ones matrix. Chunks of 128
-columns hold one group: g128 or one group per row.
+takes its chunks in steps of 1–8 (`config`, per shape: tuning.INT4_MMA_LAYOUTS) with the next step's words and
+scales in flight, the first step's loaded before the PDL wait: o_proj's warps hold all their chunks before
+attention ends.
 
 B is x: lane (g, t) supplies column g (x row g; lanes past x's rows load nothing: their columns are never stored),
 so column n of the result is x row n; lane (g, t) receives columns 2t and 2t + 1. The kernel is written in Gluon
@@ -40,18 +33,19 @@ from __future__ import annotations
 
 import torch
 
+from . import tuning
+from .int4_fragments import CHUNK, ROW_BLOCK
+
 try:
     import triton
-    import triton.language as tl
-except ImportError:                               # a CPU-only install: packing only
-    triton = tl = None
+except ImportError:                               # a CPU-only install: nothing of this module runs
+    triton = None
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 except ImportError:                               # Triton < 3.4: no Gluon; the CUDA-core GEMV serves
     gluon = gl = None
 
-ROW_BLOCK, CHUNK = 16, 128
 MAX_ROWS = 16                                     # x rows: 8 per mma (one mma, or two per plane)
 
 
@@ -59,55 +53,6 @@ def available(device: torch.device | str) -> bool:
     """Gluon is importable and the GPU runs bf16 mma.sync (sm_80+)."""
     device = torch.device(device)
     return (gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
-
-
-def takes(shape: tuple[int, int], groups: int) -> bool:
-    """Whether a (N, K) int4 layer with `groups` groups per row fits the layout: whole row blocks and chunks, and
-    one group per chunk (g128) or per row."""
-    n, k = shape
-    return n % ROW_BLOCK == 0 and k % CHUNK == 0 and (groups == 1 or groups * CHUNK == k)
-
-
-def _fragment_view(levels: torch.Tensor) -> torch.Tensor:
-    """(N, K) levels → (row blocks, chunks, lanes g, t, planes p, nibbles ki, kh, h) by their place in a word; the
-    chunk's column of (t, p, kh, ki) is 32t + 4p + 2kh + ki."""
-    n, k = levels.shape
-    v = levels.reshape(n // 16, 2, 8, k // CHUNK, 4, 8, 2, 2)       # rb, h, g, kc, t, p, kh, ki
-    return v.permute(0, 3, 2, 4, 5, 7, 6, 1)                          # rb, kc, g, t, p, ki, kh, h
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """Engine int4 (uint8 (N, K/2), low nibble = even column) → fragment-layout words, int32 (N, K/8)."""
-    from .quant import unpack_int4
-
-    levels = unpack_int4(weight).to(torch.int32)
-    n, k = levels.shape
-    nibbles = _fragment_view(levels).reshape(-1, 8)
-    shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int32)
-    # disjoint bit fields: their int32 sum (wrapping at the top nibble) is their bitwise OR
-    return (nibbles << shifts).sum(dim=1, dtype=torch.int32).reshape(n, k // 8)
-
-
-def unpack(words: torch.Tensor) -> torch.Tensor:
-    """pack's inverse: int32 (N, K/8) → engine int4 uint8 (N, K/2)."""
-    from .quant import pack_int4
-
-    n, k = words.shape[0], words.shape[1] * 8
-    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int64)
-    nibbles = (words.reshape(-1, 1).to(torch.int64) >> shifts) & 0xF       # (words, 8): rb, kc, g, t, p | ki, kh, h
-    levels = nibbles.reshape(n // 16, k // CHUNK, 8, 4, 8, 2, 2, 2).permute(0, 7, 2, 1, 3, 4, 6, 5)
-    return pack_int4(levels.reshape(n, k).to(torch.uint8))
-
-
-def pack_grid(scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """Scales and zero points (N, G) (zero None: 8, symmetric) → float32 (N/16, G, 8, 4) with (s_g, s_g+8, z_g,
-    z_g+8) for row block, group and g: lane (g, t)'s four values for a chunk in one 16-byte load, the 8 lanes of a
-    t 128 contiguous bytes."""
-    n = scale.shape[0]
-    scale = scale.reshape(n, -1).float()
-    zero = torch.full_like(scale, 8.0) if zero is None else zero.reshape(n, -1).float()
-    blocks = lambda t: t.reshape(n // 16, 2, 8, t.shape[1]).permute(0, 3, 2, 1)    # rb, group, g, h  # noqa: E731
-    return torch.cat([blocks(scale), blocks(zero)], dim=-1).contiguous()
 
 
 if gluon is not None:
@@ -504,35 +449,11 @@ if gluon is not None:
                 _store_columns(out_ptr, b01, rb0, 0, 9, M, N, inv, L3, SILU)
                 _store_columns(out_ptr, b11, rb0, 1, 9, M, N, inv, L3, SILU)
 
-    @triton.jit
-    def _dequantize_kernel(w_ptr, grid_ptr, out_ptr, K, GROUPS, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
-        """BLOCK fragment-layout words → their 8 values each, (q - z)·s in out's dtype, at their (row, column); the
-        two values of a column pair (ki = 0, 1) are stored together."""
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        word = tl.load(w_ptr + i)
-        nchunk = K // 128
-        lane = (i // 8) % 32
-        p = i % 8
-        kc = (i // 256) % nchunk
-        rb = i // (256 * nchunk)
-        g = lane // 4
-        t = lane % 4
-        for pair in tl.static_range(4):                       # pair = h + 2·kh; nibbles pair and pair + 4 (ki = 0, 1)
-            row = rb * 16 + g + 8 * (pair % 2)
-            col = kc * 128 + 32 * t + 4 * p + 2 * (pair // 2)
-            entry = ((rb * GROUPS + (kc if GROUPED else 0)) * 8 + g) * 4 + pair % 2      # pack_grid's (s, ·, z, ·)
-            s = tl.load(grid_ptr + entry)
-            z = tl.load(grid_ptr + entry + 2)
-            lo = ((word >> (4 * pair)) & 0xF).to(tl.float32)
-            hi = ((word >> (4 * pair + 16)) & 0xF).to(tl.float32)
-            both = tl.join((lo - z) * s, (hi - z) * s).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + (row * K + col)[:, None] + tl.arange(0, 2)[None, :], both)
-
 
 def few_row_blocks(n: int, device: torch.device) -> bool:
     """Whether N rows make at most two row blocks per SM: there 8 warps share a block (num_warps), and int4_mma beats
-    the CUDA-core GEMV (triton_kernels._prefers_mma)."""
-    from .triton_weight_only import sm_count
+    the CUDA-core GEMV (quant_linear's choice for shapes outside tuning.INT4_MMA_SHAPES)."""
+    from .weight_only import sm_count
 
     return n // ROW_BLOCK <= 2 * sm_count(torch.device(device))
 
@@ -543,31 +464,23 @@ def num_warps(n: int, device: torch.device) -> int:
     return 8 if few_row_blocks(n, device) else 4
 
 
-# (N, K) → (warps, chunks a warp per step, row blocks a program) fastest at one decode row on an H200 for the
-# Llama-3.1-8B shapes, timed after a short kernel as in a decode step (gpu_suite.py --phases int4_mma;
-# docs/performance.md, fourteenth session; µs after the short kernel, the thirteenth session's kernel → this one):
-# qkv 4.8 → 4.2, o 3.5 → 3.1, gate_up 21.2 → 18.5 (two row blocks a program: one x and Σ x for both), down 12.1 →
-# 10.8, LM head (128256, 4096) 73.9 (CUDA-core GEMV 86.6). Other shapes, and more than 8 rows: num_warps's warps,
-# 2 chunks a step, one row block.
-MEASURED = {(6144, 4096): (4, 8, 1), (4096, 4096): (8, 4, 1), (28672, 4096): (2, 2, 2), (4096, 14336): (16, 1, 1),
-            (128256, 4096): (4, 2, 1)}
-
-
 def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, int]:
-    """(warps, chunks a warp per step, row blocks a program) of the product of `rows` rows with an (N, K) layer."""
-    if rows <= 8 and (n, k) in MEASURED:
-        return MEASURED[n, k]
+    """(warps, chunks a warp per step, row blocks a program) of the product of `rows` rows with an (N, K) layer:
+    tuning.INT4_MMA_LAYOUTS at up to 8 rows of a measured shape, else num_warps's warps, 2 chunks a step, one row
+    block."""
+    if rows <= 8 and (n, k) in tuning.INT4_MMA_LAYOUTS:
+        return tuning.INT4_MMA_LAYOUTS[n, k]
     return num_warps(n, device), 2, 1
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict | None = None,
          layout: tuple[int, int, int] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, rms_of: tuple[torch.Tensor, float] | None = None):
-    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (pack) and their scales and zero
-    points (pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per step, row blocks a program; steps
-    and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the GPU suite's int4_mma phase
-    sweeps it). silu: the row blocks alternate gate, up (pair_blocks) and the result is SiLU(gate)·up, (rows, N/2);
-    a program then takes at least two row blocks (a pair).
+    """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (int4_fragments.pack) and their
+    scales and zero points (int4_fragments.pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per
+    step, row blocks a program; steps and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the
+    GPU suite's int4_mma phase sweeps it). silu: the row blocks alternate gate, up (int4_fragments.pair_blocks) and
+    the result is SiLU(gate)·up, (rows, N/2); a program then takes at least two row blocks (a pair).
 
     An RMSNorm between two products of one row, folded into them: residual (1, N) and norm_weight (N,) — the
     product is added to residual in place and (norm_weight · sum, each program's float32 Σ sum² (1, programs)) come
@@ -605,20 +518,3 @@ def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict 
     return (out, sums_out) if add else out
 
 
-def pair_blocks(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """A gate/up projection's rows [gate | up] (any trailing shape) → their 16-row blocks alternating gate block i,
-    up block i, which gemv(silu=True) reads in pairs; `inverse` undoes it."""
-    n = t.shape[0]
-    blocks = (n // (2 * ROW_BLOCK), 2) if inverse else (2, n // (2 * ROW_BLOCK))
-    return t.reshape(*blocks, ROW_BLOCK, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-
-def dequantize(words: torch.Tensor, grid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (N, K) float matrix of fragment-layout words and their pack_grid, in `dtype` (products of more rows than
-    gemv takes)."""
-    n, k = words.shape[0], words.shape[1] * 8
-    out = torch.empty((n, k), dtype=dtype, device=words.device)
-    block = 256                                           # one row block × chunk: always whole
-    _dequantize_kernel[(words.numel() // block,)](words, grid, out, k, grid.shape[1], GROUPED=grid.shape[1] > 1,
-                                                  BLOCK=block, num_warps=4)
-    return out

@@ -33,43 +33,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .quant import int4_group_size
-from .triton_kernels import _launch, _silu_mul, _wait_for_inputs, quantize_fp8_rows
+from ..quant import int4_group_size
+from .launch import launch_args, wait_for_inputs
+from .norms import quantize_fp8_rows, silu_mul
+from .tuning import MOE_CONFIGS, MoeConfig, MoeTile
 
 FLOAT, FP8, INT8, INT4 = 0, 1, 2, 3          # how a projection's weights are stored (ExpertWeights.format)
 _FP8, _INT8, _INT4 = tl.constexpr(FP8), tl.constexpr(INT8), tl.constexpr(INT4)     # the same, inside kernels
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-@dataclass(frozen=True)
-class MoeTile:
-    """One grouped GEMM's tile: BLOCK_N output columns (gate/up: of each half) × BLOCK_K input columns a step."""
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    group_m: int = 1      # row blocks that consecutive programs walk before the next column tile (L2 reuse)
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    block_m: int          # rows of a block: every expert's segment is padded to a multiple of it
-    gate_up: MoeTile
-    down: MoeTile
-
-
-# (average rows per expert, T·k / E, up to; MoeConfig). Few rows (decode): 16-row blocks and narrow tiles, so that
-# the programs streaming the two routed experts' weights fill the GPU; many rows: 64/128-row blocks, whose tiles
-# are reused from L2 by GROUP_M neighbouring row blocks. First choices after vLLM's and Triton's GEMM defaults for
-# Hopper, not yet swept. Measured with them (H200, benchmarks/moe_bench.py, Mixtral shapes): bf16 one token 238 µs
-# (2.96 TB/s of the two routed experts), 16 tokens 3.96 TB/s, 4096 tokens 482-505 TFLOP/s; FP8 per token at 4096
-# tokens 684 TFLOP/s; int4 at one token 354 µs (0.56 TB/s: its unpacking, not its bytes, bounds it).
-MOE_CONFIGS = [
-    (16, MoeConfig(16, MoeTile(64, 128, 4, 4), MoeTile(32, 128, 4, 4))),
-    (48, MoeConfig(32, MoeTile(64, 128, 4, 4), MoeTile(64, 128, 4, 4))),
-    (192, MoeConfig(64, MoeTile(64, 64, 4, 4, 8), MoeTile(128, 64, 4, 4, 8))),
-    (1 << 62, MoeConfig(128, MoeTile(64, 64, 8, 3, 8), MoeTile(128, 64, 8, 3, 8))),
-]
 
 
 def moe_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
@@ -122,7 +93,7 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, E_PAD: tl.constexpr, T
                   K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_T tokens: softmax over the E logits (float32), the TOP_K largest (lowest index first among equals),
     their probabilities renormalised to sum to 1 where RENORMALIZE."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     ok = rows < T
@@ -148,7 +119,8 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, E_PAD: tl.constexpr, T
     tl.store(weights_ptr + at, chosen, mask=mask)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts (T, k) int32, weights (T, k) float32) of the router's logits (T, E)."""
     t, e = logits.shape
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
@@ -156,7 +128,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     block = 16
     _route_kernel[(triton.cdiv(t, block),)](logits, ids, weights, t, e, E_PAD=triton.next_power_of_2(e),
                                             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                                            RENORMALIZE=renormalize, BLOCK_T=block, num_warps=4, **_launch())
+                                            RENORMALIZE=renormalize, BLOCK_T=block, num_warps=4, **launch_args(launch))
     return ids, weights
 
 
@@ -176,7 +148,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, ENTRIES, SLOTS, FIRST, 
     """One program: count each local expert's entries, lay their segments out back to back (each padded to whole
     blocks), write every entry at its expert's next slot (entries in order), ENTRIES at every other of the SLOTS
     slots, and per block its expert (-1 past the last segment). Entries and padding write disjoint slots."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
     for start in range(0, ENTRIES, CHUNK):
@@ -210,7 +182,8 @@ def sorted_slots(tokens: int, top_k: int, experts: int, block_m: int) -> int:
     return triton.cdiv(entries + min(entries, experts) * (block_m - 1), block_m) * block_m
 
 
-def align(ids: torch.Tensor, block_m: int, first_expert: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align(ids: torch.Tensor, block_m: int, first_expert: int, experts: int,
+          launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted entries (S,) int32, expert of each BLOCK_M block (S / BLOCK_M,) int32) for the local experts
     first_expert .. first_expert + experts - 1 of ids (T, k)."""
     entries = ids.numel()
@@ -220,7 +193,7 @@ def align(ids: torch.Tensor, block_m: int, first_expert: int, experts: int) -> t
     e_pad = triton.next_power_of_2(experts)
     chunk = max(16, min(1024, 8192 // e_pad))
     _align_kernel[(1,)](ids, sorted_ids, block_expert, entries, slots, first_expert, experts, E_PAD=e_pad,
-                        BLOCK_M=block_m, CHUNK=chunk, num_warps=4, **_launch())
+                        BLOCK_M=block_m, CHUNK=chunk, num_warps=4, **launch_args(launch))
     return sorted_ids, block_expert
 
 
@@ -360,7 +333,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_p
     """act[slot] (BLOCK_M × BLOCK_N of I columns) = SiLU(gate)·up of each slot's token, x's row entry // TOP_K, by
     the block's expert: rows c and INTER + c of its (2·INTER, K) weight. Gate and up are rounded to DTYPE (the
     model's) before SiLU, as reference.silu_and_mul reads them; FP8_ACT stores act / act_scale in e4m3."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), NUM_M, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     expert, slots, entries, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, ENTRIES, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,7 +362,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_p
         a_scale = tl.load(x_scale_ptr + tokens)
     gate = _scaled(gate, a_total, a_scale, s_ptr, z_ptr, rows, GROUPS, FORMAT, GROUP, HAS_ZERO)
     up = _scaled(up, a_total, a_scale, s_ptr, z_ptr, rows + INTER, GROUPS, FORMAT, GROUP, HAS_ZERO)
-    act = _silu_mul(gate.to(DTYPE), up.to(DTYPE))
+    act = silu_mul(gate.to(DTYPE), up.to(DTYPE))
     if FP8_ACT:
         act = tl.clamp(tl.math.div_rn(act.to(tl.float32), tl.load(act_scale_ptr)), -448.0, 448.0)
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
@@ -403,7 +376,7 @@ def _down_kernel(act_ptr, act_scale_ptr, sorted_ptr, block_expert_ptr, weights_p
                  GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """partial[entry] (float32, BLOCK_N of N columns) = the entry's routing weight × act[slot] W_down^T by the
     block's expert. FP8 act scales: per slot (ACT_SCALE_STRIDE 1) or one static scale (0)."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert, slots, entries, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, ENTRIES, BLOCK_M)
     if expert < 0:
@@ -435,7 +408,7 @@ def _down_kernel(act_ptr, act_scale_ptr, sorted_ptr, block_expert_ptr, weights_p
 def _sum_top_k_kernel(partial_ptr, ids_ptr, out_ptr, T, N, FIRST, EXPERTS, TOP_K: tl.constexpr,
                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[token] = Σ over its TOP_K entries routed to a local expert of partial[entry], in out's dtype."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -471,13 +444,14 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def gate_up_act(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, w: ExpertWeights,
-                down: ExpertWeights, top_k: int, config: MoeConfig, fast_accumulation: bool):
+                down: ExpertWeights, top_k: int, config: MoeConfig, fast_accumulation: bool,
+                launch: dict | None = None):
     """(act (S, I), its FP8 scales or None): SiLU(gate)·up of every sorted slot's token, in the form the down
     projection reads — x's dtype, or e4m3 for FP8 down weights (with the static scale, or per slot)."""
     t, k = x.shape
     inter = w.out_features // 2
     slots = sorted_ids.shape[0]
-    x_in, x_scale = quantize_fp8_rows(x, None, w.input_scale) if w.format == FP8 else (x, x)
+    x_in, x_scale = quantize_fp8_rows(x, None, w.input_scale, launch) if w.format == FP8 else (x, x)
     static_act = down.format == FP8 and down.input_scale is not None
     act = torch.empty((slots, inter), dtype=torch.float8_e4m3fn if static_act else x.dtype, device=x.device)
     block_n, block_k = _tile(config.gate_up, w)
@@ -490,15 +464,15 @@ def gate_up_act(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
                           PRECISION=_precision(x.dtype), DTYPE=TL_DTYPES[x.dtype], BLOCK_M=config.block_m,
                           BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.gate_up.group_m,
                           num_warps=config.gate_up.num_warps, num_stages=config.gate_up.num_stages,
-                          **_format_args(w, block_k), **_launch())
+                          **_format_args(w, block_k), **launch_args(launch))
     if down.format == FP8 and not static_act:
-        return quantize_fp8_rows(act)
+        return quantize_fp8_rows(act, launch=launch)
     return act, down.input_scale
 
 
 def down_partials(act: torch.Tensor, act_scale: torch.Tensor | None, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, config: MoeConfig,
-                  fast_accumulation: bool, dtype: torch.dtype) -> torch.Tensor:
+                  fast_accumulation: bool, dtype: torch.dtype, launch: dict | None = None) -> torch.Tensor:
     """(T·k, H) float32: each routed entry's routing weight times its expert's down projection of act."""
     entries = weights.numel()
     n, k = w.out_features, w.in_features
@@ -513,33 +487,36 @@ def down_partials(act: torch.Tensor, act_scale: torch.Tensor | None, sorted_ids:
                        1 if per_slot else 0, FAST_ACCUM=fast_accumulation, PRECISION=_precision(dtype),
                        BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.down.group_m,
                        num_warps=config.down.num_warps, num_stages=config.down.num_stages,
-                       **_format_args(w, block_k), **_launch())
+                       **_format_args(w, block_k), **launch_args(launch))
     return partial
 
 
 def sum_top_k(partial: torch.Tensor, ids: torch.Tensor, first_expert: int, experts: int,
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, launch: dict | None = None) -> torch.Tensor:
     t, top_k = ids.shape
     n = partial.shape[1]
     out = torch.empty((t, n), dtype=dtype, device=partial.device)
     block = min(1024, triton.next_power_of_2(n))
     _sum_top_k_kernel[(t, triton.cdiv(n, block))](partial, ids, out, t, n, first_expert, experts, TOP_K=top_k,
-                                                  BLOCK=block, num_warps=4, **_launch())
+                                                  BLOCK=block, num_warps=4, **launch_args(launch))
     return out
 
 
 def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dict, down: torch.Tensor | dict,
               top_k: int, renormalize: bool, first_expert: int = 0, algo: str | None = None,
-              fast_accumulation: bool = True, config: MoeConfig | None = None) -> torch.Tensor:
+              fast_accumulation: bool = True, config: MoeConfig | None = None,
+              launch: dict | None = None) -> torch.Tensor:
     """reference.moe on the GPU: x (T, H) routed to top_k of the router's experts, computed by the local experts
     first_expert .. first_expert + E - 1 of gate_up (E, 2I, H) and down (E, H, I), each a float tensor or a dict of
     `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step)."""
     gate_up_w, down_w = expert_weights(gate_up, algo), expert_weights(down, algo)
     experts = gate_up_w.weight.shape[0]
     config = config or moe_config(x.shape[0], top_k, experts)
-    ids, weights = route(F.linear(x, router), top_k, renormalize)
-    sorted_ids, block_expert = align(ids, config.block_m, first_expert, experts)
-    act, act_scale = gate_up_act(x, sorted_ids, block_expert, gate_up_w, down_w, top_k, config, fast_accumulation)
+    launch = launch_args(launch)
+    ids, weights = route(F.linear(x, router), top_k, renormalize, launch)
+    sorted_ids, block_expert = align(ids, config.block_m, first_expert, experts, launch)
+    act, act_scale = gate_up_act(x, sorted_ids, block_expert, gate_up_w, down_w, top_k, config, fast_accumulation,
+                                 launch)
     partial = down_partials(act, act_scale, sorted_ids, block_expert, weights, down_w, config, fast_accumulation,
-                            x.dtype)
-    return sum_top_k(partial, ids, first_expert, experts, x.dtype)
+                            x.dtype, launch)
+    return sum_top_k(partial, ids, first_expert, experts, x.dtype, launch)

@@ -1,0 +1,148 @@
+"""What the GPU kernels were tuned to: per-shape tables measured on an H200, the rules for shapes outside them, and
+TritonOptions, the choices a test or benchmark may make differently (handed to TritonOps at load).
+
+Plain data: importable without Triton (kiln.kernels reads TritonOptions on every install). Each table names the
+benchmark that measured it; docs/performance.md has the commands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT4_MMA_CHOICES = ("measured", "all", "off")
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    """Choices of TritonOps, fixed at load. The defaults are the measured fastest."""
+
+    context_fmha: bool = True
+    """Prompt (context) attention by the Triton kernel; False: by the reference (PluginConfig.context_fmha)."""
+    fp8_fast_accumulation: bool = True
+    """FP8 products accumulate at the tensor cores' full rate (PluginConfig.fp8_fast_accumulation)."""
+    pdl: bool = True
+    """Programmatic dependent launch on sm_90+ (PluginConfig.programmatic_dependent_launch)."""
+    int4_mma: str = "measured"
+    """Which int4 layers int4_mma computes (those it takes): "measured" those faster on it than on the CUDA-core GEMV
+    (INT4_MMA_SHAPES, else few row blocks per SM), "all", or "off"."""
+    silu_in_gemv: tuple[int, ...] = (8,)
+    """Bit widths whose gate/up rows the CUDA-core decode GEMV pairs at load to write SiLU(gate)·up itself: int8
+    +4.4% at batch 1, int4 -6.4% (benchmarks/gpu_suite.py --phases decode_fusions, H200)."""
+    fold_norms: bool = True
+    """At one row, o/down on int4_mma add the residual and hand the next RMSNorm to qkv/gate_up on int4_mma
+    (kiln.kernels.fusion): 8B W4A16_AWQ batch 1, 550.4 -> 578.6 tok/s (22 runs, H200)."""
+
+    def __post_init__(self):
+        if self.int4_mma not in INT4_MMA_CHOICES:
+            raise ValueError(f"TritonOptions.int4_mma={self.int4_mma!r}: expected one of {INT4_MMA_CHOICES}")
+        if not set(self.silu_in_gemv) <= {4, 8}:
+            raise ValueError(f"TritonOptions.silu_in_gemv={self.silu_in_gemv!r}: bit widths are 4 and 8")
+
+
+# --- decode attention: split-K partitions (partitions.decode_partitions) ---------------------------------------
+PARTITION_TOKENS = 512   # keys a decode-attention program covers (multi_block_mode)
+BUSY_PROGRAMS = 264      # two programs per multiprocessor of an H100/H200
+BUSY_WARPS = 2048        # one-warp programs (mma_decode_attention): ~16 per multiprocessor
+LONG_CONTEXT = 1024      # sequences longer than this split whatever the batch size
+MIN_PARTITION = 64       # keys of the shortest partition: four 16-key steps of one warp, one tile of the Triton kernel
+# Small batches split down to MIN_PARTITION so that programs × partitions fill the GPU: batch 1 over 256 keys 7.9 ->
+# 4.8 µs, over 1024 keys 16.6 -> 6.6 µs (benchmarks/gpu_suite.py --phases attn_split).
+
+# --- paged attention: keys per tile, (num_warps, num_stages) -----------------------------------------------------
+ATTENTION_TILE = 64                  # bf16 and int8 caches
+DECODE_FP8_TILE = 128                # decode over an e4m3 cache: 5% faster at 512 sequences of 128-256 keys, 14% at
+                                     # 256 of 1-2k (benchmarks/gpu_suite.py --phases attn_sweep)
+ATTENTION_LAUNCH = (4, 2)
+
+# --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
+# (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
+# (benchmarks/gpu_suite.py --phases quant_kernels); other shapes: gemv.gemv_config's rule.
+GEMV_CONFIGS = {(6144, 4096, 4): (8, 64, True), (4096, 4096, 4): (4, 64, True), (28672, 4096, 4): (8, 64, True),
+                (4096, 14336, 4): (4, 64, True), (6144, 4096, 8): (4, 64, True), (4096, 4096, 8): (4, 128, True),
+                (28672, 4096, 8): (8, 128, True), (4096, 14336, 8): (4, 128, True)}
+# the configurations that phase sweeps (and the GPU tests check)
+GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 128, True), (4, 128, True),
+              (8, 32, True), (16, 32, True)]
+
+# --- int4 on the tensor cores (int4_mma) -------------------------------------------------------------------------
+# (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py
+# --phases int4_mma and batch-1 decode; Llama-3.1-8B shapes): o 3.1 µs, down 10.8, gate_up 18.5 (CUDA-core 21.4),
+# LM head 73.9 (86.6), qkv 4.2 (6.0) with its RMSNorm folded in. Other shapes: int4_mma where it has at most two
+# row blocks per SM, as o and down do (the CUDA-core GEMV lags with few, long rows).
+INT4_MMA_SHAPES = {(4096, 4096): True, (4096, 14336): True, (6144, 4096): True, (28672, 4096): True,
+                   (128256, 4096): True}
+# (N, K) → (warps, chunks a warp per step, row blocks a program) fastest at one row after a short kernel, as in a
+# decode step (benchmarks/gpu_suite.py --phases int4_mma): qkv 4.2 µs, o 3.1, gate_up 18.5 (two row blocks a program
+# share x and Σ x), down 10.8, LM head 73.9. Other shapes and more than 8 rows: int4_mma.config's rule.
+INT4_MMA_LAYOUTS = {(6144, 4096): (4, 8, 1), (4096, 4096): (8, 4, 1), (28672, 4096): (2, 2, 2),
+                    (4096, 14336): (16, 1, 1), (128256, 4096): (4, 2, 1)}
+# products of up to this many 16-row slices of x on int4_mma, more rows dequantized for cuBLAS: two slices beat
+# dequantize + cuBLAS (8B o: 2 × 13.9 vs 22.6 + ~13 µs, down: 2 × 30.4 vs 74.4 + ~32); four no longer do on o
+FRAGMENT_SLICES = 2
+
+# --- weight-only products of more rows (weight_only) -------------------------------------------------------------
+# Rows from which weight_only_matmul dequantizes the weight to x's dtype for cuBLAS, per weight bits: int8 wins from
+# 512 rows on every 8B shape and loses at 128; int4 wins at 2048 and loses at 512 (benchmarks/weight_only_gemm.py).
+DEQUANTIZE_MIN_ROWS = {4: 1024, 8: 256}
+
+GATHER, PLANES, RESHAPE, RESHAPE_INNER = 0, 1, 2, 3     # how a tile's levels are unpacked (MmaConfig.unpack)
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Tile of the weight-only tensor-core kernel: BLOCK_N weight rows × BLOCK_M rows of x per program, BLOCK_K
+    columns a step (at most the group). split: programs sharing one tile's K (0: enough to fill the GPU). unpack:
+    GATHER loads each unit once per value it holds (cached) into one (BLOCK_N, BLOCK_K) tile; PLANES loads units
+    once and runs one dot per value plane; RESHAPE loads once and reshapes (rows, values, units) into one tile,
+    RESHAPE_INNER (rows, units, values): each unit's values side by side."""
+    block_n: int = 64
+    block_m: int = 16
+    block_k: int = 128
+    unpack: int = GATHER
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Per weight bits, (rows of x up to, MmaConfig): the first whose bound holds. The fastest over the four 8B shapes
+# (benchmarks/weight_only_gemm.py).
+MMA_CONFIGS = {
+    4: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
+        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
+        (64, MmaConfig(block_n=128, block_m=64, unpack=RESHAPE_INNER)),
+        (1 << 62, MmaConfig(block_n=128, block_m=128, unpack=RESHAPE, num_warps=8))],
+    8: [(16, MmaConfig(block_n=128, block_m=16, unpack=PLANES)),
+        (32, MmaConfig(block_n=128, block_m=32, unpack=PLANES)),
+        (1 << 62, MmaConfig(block_n=128, block_m=64, unpack=PLANES, num_warps=8))],
+}
+
+
+# --- the fused MoE (fused_moe) -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeTile:
+    """One grouped GEMM's tile: BLOCK_N output columns (gate/up: of each half) × BLOCK_K input columns a step."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1      # row blocks that consecutive programs walk before the next column tile (L2 reuse)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int          # rows of a block: every expert's segment is padded to a multiple of it
+    gate_up: MoeTile
+    down: MoeTile
+
+
+# (average rows per expert, T·k / E, up to; MoeConfig). Few rows (decode): 16-row blocks and narrow tiles, so that
+# the programs streaming the two routed experts' weights fill the GPU; many rows: 64/128-row blocks, whose tiles
+# are reused from L2 by GROUP_M neighbouring row blocks. First choices after vLLM's and Triton's GEMM defaults for
+# Hopper, not yet swept. Measured with them (benchmarks/moe_bench.py, Mixtral shapes): bf16 one token 238 µs
+# (2.96 TB/s of the two routed experts), 16 tokens 3.96 TB/s, 4096 tokens 482-505 TFLOP/s; FP8 per token at 4096
+# tokens 684 TFLOP/s; int4 at one token 354 µs (0.56 TB/s: its unpacking, not its bytes, bounds it).
+MOE_CONFIGS = [
+    (16, MoeConfig(16, MoeTile(64, 128, 4, 4), MoeTile(32, 128, 4, 4))),
+    (48, MoeConfig(32, MoeTile(64, 128, 4, 4), MoeTile(64, 128, 4, 4))),
+    (192, MoeConfig(64, MoeTile(64, 64, 4, 4, 8), MoeTile(128, 64, 4, 4, 8))),
+    (1 << 62, MoeConfig(128, MoeTile(64, 64, 8, 3, 8), MoeTile(128, 64, 8, 3, 8))),
+]
