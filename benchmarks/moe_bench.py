@@ -1,4 +1,4 @@
-"""The fused MoE layer (kiln/kernels/fused_moe.py) on Mixtral-8x7B's shapes (hidden 4096, intermediate 14336,
+"""The fused MoE layer (kiln/kernels/triton/fused_moe.py) on Mixtral-8x7B's shapes (hidden 4096, intermediate 14336,
 8 experts, top-2), one GPU: per expert format and token count, GPU µs per layer (CUDA-graph replays, the whole
 launch sequence from the router's logits to the summed output), TB/s of the routed experts' bytes (weights, scales
 and zero points of every expert that gets a token, read once) and TFLOP/s (2·T·k·3·H·I).
@@ -20,7 +20,7 @@ import torch
 from kiln import benchmark as bench
 from kiln.config import QuantConfig
 from kiln.kernels import quant, reference
-from kiln.kernels.fused_moe import fused_moe, moe_config
+from kiln.kernels.triton.fused_moe import fused_moe, moe_config
 from kiln.quantization import round_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from kiln import BuildConfig, build
-from kiln.config import QuantConfig
+from kiln.config import PluginConfig, QuantConfig
 from kiln.evaluate import window_log_probs
 from kiln.models import LlamaForCausalLM
 from kiln.quantization import quantize_model
@@ -61,13 +60,13 @@ def main():
     p.add_argument("--modes", help="comma-separated indices into MODES (default: all)")
     p.add_argument("--group_size", type=int, default=128)
     p.add_argument("--ops", choices=["reference", "cpu"], default="reference",
-                   help="the kernels that evaluate the models (select_ops reads KILN_CPU_OPS)")
+                   help="the kernels that evaluate the models (PluginConfig.cpu_kernels)")
     args = p.parse_args()
-    os.environ["KILN_CPU_OPS"] = "fast" if args.ops == "cpu" else "reference"
     model = LlamaForCausalLM.from_hugging_face(default_model_path(), quiet=True)
     tokenizer = load_tokenizer(model.tokenizer_files)
     texts = [tokenizer.encode(EVAL_TEXT.read_text()), tokenizer.encode(held_out_text())]
-    config = BuildConfig(max_batch_size=1, max_input_len=512, max_seq_len=1024)
+    config = BuildConfig(max_batch_size=1, max_input_len=512, max_seq_len=1024,
+                         plugin_config=PluginConfig(cpu_kernels="fast" if args.ops == "cpu" else "reference"))
 
     float_engine = build(model, config, quiet=True)
     references = [[log_probs for log_probs, _ in window_log_probs(float_engine, ids)] for ids in texts]

@@ -1,5 +1,5 @@
 """Weight-only products of more rows than the decode GEMV takes, on the Llama-3.1-8B shapes, one GPU: the
-tensor-core kernel (triton_weight_only.tiled_matmul, a sweep of tile configurations, the best reported), dequantize
+tensor-core kernel (weight_only.tiled_matmul, a sweep of tile configurations, the best reported), dequantize
 + cuBLAS, and cuBLAS bf16 on a float weight; the summary says which configuration to keep per row count and from
 which rows dequantize + cuBLAS wins (the kernel module's tile table and DEQUANTIZE_MIN_ROWS come from it).
 Every variant is checked against a float64 product of the dequantized weight. Prints one table; JSON to
@@ -29,8 +29,9 @@ import torch
 
 from kiln import benchmark as bench
 from kiln.kernels import quant
-from kiln.kernels import triton_kernels as tk
-from kiln.kernels import triton_weight_only as wo
+from kiln.kernels.triton import tuning
+from kiln.kernels.triton import weight_only as wo
+from kiln.kernels.triton.gemv import interleave_weight
 
 OUT = os.environ.get("OUT", "/tmp")
 DEVICE = "cuda"
@@ -38,10 +39,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROWS = [8, 16, 32, 64, 128, 512, 2048]
 FORMATS = {"W4A16_g128_zero": (4, 128, True), "W8A16": (8, None, False)}   # bits, group, zero points
 TOLERANCE = 1e-2                                                        # relative (Frobenius) error, bf16 x
-UNPACK_NAMES = {wo.GATHER: "gather", wo.PLANES: "planes", wo.RESHAPE: "reshape", wo.RESHAPE_INNER: "inner"}
+UNPACK_NAMES = {tuning.GATHER: "gather", tuning.PLANES: "planes", tuning.RESHAPE: "reshape",
+                tuning.RESHAPE_INNER: "inner"}
 
 
-def sweep(m: int, bits: int, quick: bool) -> list[wo.MmaConfig]:
+def sweep(m: int, bits: int, quick: bool) -> list[tuning.MmaConfig]:
     """Tile configurations tried at m rows (quick: the module's own choice only)."""
     if quick:
         return [wo.mma_config(m, bits)]
@@ -52,17 +54,17 @@ def sweep(m: int, bits: int, quick: bool) -> list[wo.MmaConfig]:
     for block_m in block_ms:
         for block_n in (64, 128):
             for unpack in UNPACK_NAMES:
-                configs.append(wo.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack))
+                configs.append(tuning.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack))
                 if block_m >= 64 and block_n == 128:
-                    configs.append(wo.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack, num_warps=8))
+                    configs.append(tuning.MmaConfig(block_n=block_n, block_m=block_m, unpack=unpack, num_warps=8))
         if m <= 64:                                 # memory-bound: fewer programs, more loads in flight
-            configs += [wo.MmaConfig(block_n=64, block_m=block_m, unpack=u, split=1) for u in UNPACK_NAMES]
-            configs += [wo.MmaConfig(block_n=n, block_m=block_m, unpack=u, num_stages=5) for n in (64, 128)
+            configs += [tuning.MmaConfig(block_n=64, block_m=block_m, unpack=u, split=1) for u in UNPACK_NAMES]
+            configs += [tuning.MmaConfig(block_n=n, block_m=block_m, unpack=u, num_stages=5) for n in (64, 128)
                         for u in UNPACK_NAMES]
     return configs
 
 
-def describe(config: wo.MmaConfig) -> str:
+def describe(config: tuning.MmaConfig) -> str:
     return (f"n{config.block_n}m{config.block_m}k{config.block_k}/{UNPACK_NAMES[config.unpack]}"
             f"/s{config.split or 'auto'}/w{config.num_warps}/st{config.num_stages}")
 
@@ -83,7 +85,7 @@ def quantized_weights(n: int, k: int, bits: int, group: int | None, zero: bool, 
 
 def reference_matrix(weight, scale, zero, bits) -> torch.Tensor:
     """float64 (N, K) matrix of an interleaved weight."""
-    engine = tk.interleave_weight(weight, bits, inverse=True)
+    engine = interleave_weight(weight, bits, inverse=True)
     params = {"weight": engine, "weight_scale": scale, **({"weight_zero": zero} if zero is not None else {})}
     return quant.dequantize_weight("W8A16" if bits == 8 else "W4A16", params).double()
 
