@@ -438,9 +438,8 @@ def test_learned_rounding_lowers_the_layer_output_error(tiny_models, algo):
         runner.advance(layer)
 
 
-def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path):
-    """quantize_model with learned rounding keeps the logits closer to the float model's than without; the convert
-    flag reaches the checkpoint; modes it does not apply to are refused."""
+def test_learned_rounding_end_to_end(tiny_models):
+    """quantize_model with learned rounding keeps the logits closer to the float model's than without."""
     from kiln.quantization import calibration_tokens
 
     hf_dir, _ = tiny_models["llama"]
@@ -456,6 +455,11 @@ def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path):
             logits[steps] = llm.generate(prompt, SamplingConfig(max_new_tokens=1, end_id=-1)).context_logits
     error = {k: ((logits[k] - logits[None]).norm() / logits[None].norm()).item() for k in (0, 20)}
     assert error[20] < 0.9 * error[0], error
+
+
+def test_learned_rounding_flag_and_its_errors(tiny_models, tmp_path):
+    """The convert flag reaches the checkpoint; modes it does not apply to are refused."""
+    hf_dir, _ = tiny_models["llama"]
     assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "c"), "--use_weight_only",
                  "--weight_only_precision", "int4_awq", "--per_group", "--group_size", "32", "--calib_size", "2",
                  "--learned_rounding_steps", "3"]) == 0
@@ -465,4 +469,5 @@ def test_learned_rounding_end_to_end_and_its_errors(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="must be an integer >= 0"):
         QuantConfig("W4A16_AWQ", learned_rounding_steps=-1)
     with pytest.raises(ValueError, match="learned rounding"):
-        quantize_model(model, QuantConfig("W4A16_AWQ", learned_rounding_steps=5), round_to_nearest=True)
+        quantize_model(LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True),
+                       QuantConfig("W4A16_AWQ", learned_rounding_steps=5), round_to_nearest=True)
