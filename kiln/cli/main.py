@@ -529,8 +529,8 @@ def _bench_device(args):
         raise ValueError("--dtype applies to --model; a built engine keeps the dtype it was built in")
     dtype = args.dtype or bench.default_dtype(device)
     if args.device is None and device.type == "cpu":
-        print(f"kiln bench: no CUDA GPU is visible: running on the CPU{'' if args.engine_dir else ' in ' + dtype} "
-              "(--device and --dtype choose)", file=sys.stderr)
+        print(f"kiln bench: no CUDA GPU is visible: running on the CPU{'' if args.engine_dir else ' in ' + dtype}",
+              file=sys.stderr)
     return device, dtype
 
 
