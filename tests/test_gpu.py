@@ -270,7 +270,7 @@ def test_weight_only_gemv(algo, n, k):
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_mma_products(algo, group, n, k, dtype):
-    """int4 in the tensor cores' fragment layout (kernels/int4_mma.py): the mma.sync product of 1-16 rows against
+    """int4 in the tensor cores' fragment layout (kernels/triton/int4_mma.py): the mma.sync product of 1-16 rows against
     the float64 product on the same levels, and the dequantized matrix (products of more rows) equal to the engine
     layout's, rounded to x's dtype; quant_linear of 1, 16 and 17 rows on the layout the engine loads."""
     from kiln.kernels import TritonOptions, quant
