@@ -2,7 +2,7 @@
 value, attention over each partition and the split-K merge by the last partition to arrive (TritonOps'
 rope_cache_attention; reference: rope_and_cache then paged_attention). On an H200 one kernel beats the three it
 replaces: 6.1 -> 5.0 µs a layer at batch 1 over 256 keys, 8.4 -> 6.0 over 1024, 11.9 -> 6.9 at batch 8 over 256;
-unsplit batches of 64-256 sequences are faster on the three (benchmarks/gpu_suite.py --phases attn_fused)."""
+unsplit batches of 64-256 sequences are faster on the three (the attn_fused phase of gpu_suite: tuning.py)."""
 from __future__ import annotations
 
 import torch

@@ -2,8 +2,8 @@
 the register where the tensor cores take it: no shared memory, no layout conversions.
 
 Why: the Triton kernel (paged_attention._paged_attention_kernel) reads a quantized cache at 1.6-1.7 TB/s against
-3.7 TB/s for bf16, because the converted tiles reach the tensor cores through shared memory (benchmarks/gpu_suite.py
-attn_sweep). Here one warp is one (sequence, KV head, partition); it walks its keys 16 at a time.
+3.7 TB/s for bf16, because the converted tiles reach the tensor cores through shared memory (the attn_sweep phase of
+gpu_suite: tuning.py). Here one warp is one (sequence, KV head, partition); it walks its keys 16 at a time.
 
 Fragments of `mma.sync.m16n8k16` (lane l = 4g + t): A rows g, g + 8 at columns 2t, 2t + 1, 2t + 8, 2t + 9; B column
 g at rows 2t, 2t + 1, 2t + 8, 2t + 9; C rows g, g + 8 at columns 2t, 2t + 1. The N side (8 columns) is the query

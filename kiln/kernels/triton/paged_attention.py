@@ -228,7 +228,7 @@ def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tu
 def decode_mma(kv_dtype: torch.dtype, head_dim: int, group: int, tokens_per_block: int, device) -> bool:
     """Whether decode attention over this cache runs on mma_decode_attention (one warp per program; split-K
     partitions are chosen for that: partitions.decode_partitions): 2.0x faster than _paged_attention_kernel at 512
-    sequences of 128-256 keys, 1.7x at 256 of 1-2k (benchmarks/gpu_suite.py --phases attn_sweep)."""
+    sequences of 128-256 keys, 1.7x at 256 of 1-2k (the attn_sweep phase of gpu_suite: tuning.py)."""
     return (mma_decode_attention.takes(kv_dtype, head_dim, group, tokens_per_block)
             and mma_decode_attention.available(device))
 

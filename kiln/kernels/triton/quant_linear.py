@@ -4,7 +4,7 @@ product (QuantProducts, one per TritonOps, made with its options).
 Weight-only int4 layers go to int4_mma's fragment layout where it is faster (tuning.INT4_MMA_SHAPES), the others
 (and int8) to the interleaved layout of the CUDA-core decode GEMV (gemv.py), with int4 group scales and zero points
 as fp16 pairs where fp16 holds them: 4 bytes a group instead of 8, never slower in three H200 runs (W4A16_AWQ batch
-1, benchmarks/gpu_suite.py --phases decode_fusions). Products of more rows go to weight_only.py; FP8 layers to one
+1, the decode_fusions phase of gpu_suite: tuning.py). Products of more rows go to weight_only.py; FP8 layers to one
 quantizing kernel and torch._scaled_mm; W8A8 to torch._int_mm.
 """
 from __future__ import annotations

@@ -2,7 +2,9 @@
 TritonOptions, the choices a test or benchmark may make differently (handed to TritonOps at load).
 
 Plain data: importable without Triton (kiln.kernels reads TritonOptions on every install). Each table names the
-benchmark that measured it; docs/performance.md has the commands.
+benchmark that measured it: benchmarks/weight_only_gemm.py and benchmarks/moe_bench.py as they are; the kernel
+phases of benchmarks/gpu_suite.py (int4_mma, quant_kernels, attn_sweep, attn_split, attn_fused, decode_fusions) as
+they were before commit 42f4f80 (`git show 42f4f80^:benchmarks/gpu_suite.py`).
 """
 from __future__ import annotations
 
