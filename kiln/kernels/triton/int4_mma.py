@@ -479,8 +479,9 @@ def gemv(x: torch.Tensor, words: torch.Tensor, grid: torch.Tensor, launch: dict 
     """x (≤ MAX_ROWS rows, bf16/fp16) @ dequant(w)^T for fragment-layout words (int4_fragments.pack) and their
     scales and zero points (int4_fragments.pack_grid): (rows, N) in x's dtype. layout: (warps, chunks a warp per
     step, row blocks a program; steps and row blocks 1, 2, 4 or 8, their product at most 8), config's by default (the
-    int4_mma phase of gpu_suite measured them: tuning.py). silu: the row blocks alternate gate, up (int4_fragments.pair_blocks) and
-    the result is SiLU(gate)·up, (rows, N/2); a program then takes at least two row blocks (a pair).
+    int4_mma phase of gpu_suite measured them: tuning.py). silu: the row blocks alternate gate, up
+    (int4_fragments.pair_blocks) and the result is SiLU(gate)·up, (rows, N/2); a program then takes at least two row
+    blocks (a pair).
 
     An RMSNorm between two products of one row, folded into them: residual (1, N) and norm_weight (N,) — the
     product is added to residual in place and (norm_weight · sum, each program's float32 Σ sum² (1, programs)) come
