@@ -21,9 +21,9 @@ httpx = pytest.importorskip("httpx")
 
 from kiln import LLM, BuildConfig, SamplingConfig  # noqa: E402
 from test_sampler_safety import MARKER, failing_sampler  # noqa: E402,F401 - a fixture
-from test_server import (BATCH, GOOD, KEY, MAX_INPUT, MAX_SEQ, MODEL, _free_port, metric, post,  # noqa: E402
-                         run_server, wait_for_idle, wait_until_serving)
-from test_server import base, llm, tiny_dir  # noqa: E402,F401 - module fixtures: this module gets its own
+from test_server import (BATCH, GOOD, KEY, LONG, MAX_INPUT, MAX_SEQ, MODEL, _free_port, metric,  # noqa: E402
+                         post, run_server, wait_for_idle, wait_until_serving)
+from test_server import base, llm, long_prompts, tiny_dir  # noqa: E402,F401 - module fixtures: this module gets its own
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
 
@@ -242,10 +242,11 @@ def test_logprobs_leave_out_the_end_token(base, llm, monkeypatch):
     assert text["finish_reason"] == "stop" and len(text["logprobs"]["tokens"]) == shown
 
 
-def test_a_disconnect_logs_no_error(base, caplog):
+def test_a_disconnect_logs_no_error(base, long_prompts, caplog):
+    body = {"model": MODEL, "prompt": long_prompts[0], "max_tokens": LONG, "temperature": 0}   # runs for seconds
     with caplog.at_level(logging.WARNING):
         with pytest.raises(httpx.ReadTimeout):
-            post(base, "/v1/completions", {**GOOD, "max_tokens": MAX_SEQ - 32, "temperature": 0}, timeout=0.3)
+            post(base, "/v1/completions", body, timeout=0.3)
         wait_for_idle(base)
         gc.collect()
         time.sleep(0.2)
