@@ -12,19 +12,23 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from kiln.checkpoint import save_checkpoint
+from kiln.checkpoint.lazy import with_progress
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
 from kiln.models import LlamaForCausalLM, PretrainedModel
-from kiln.quantization import quantize_model
+from kiln.quantization import quantize_model, quantized_weights
+from kiln.utils.steps import StepLog
 
 
 def quantize(model: PretrainedModel, quant_config: QuantConfig | None, calib_size: int = 16,
-             quiet: bool = False) -> PretrainedModel:
-    """`model` quantized as `quant_config` asks, calibrated on calib_size sequences of Kiln's calibration text;
-    the model itself when it asks for nothing."""
+             quiet: bool = False, round_to_nearest: bool = False) -> PretrainedModel:
+    """`model` quantized as `quant_config` asks, calibrated on calib_size sequences of Kiln's calibration text
+    (round_to_nearest: without AWQ's and GPTQ's searches); the model itself when it asks for nothing."""
     if quant_config is None or not quant_config.enabled:
         return model
-    return quantize_model(model, quant_config, calib_size, quiet)
+    return quantize_model(model, quant_config, calib_size, quiet, round_to_nearest)
 
 
 def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None = None,
@@ -40,27 +44,38 @@ def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None
             raise ValueError("convert_config carries the quantization flags and calib_size: give it, or "
                              "quant_config and calib_size, not both")
         quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
+    model = _load(model_dir, dtype, convert_config, seed, quiet, lazy=False)
+    return quantize(model, quant_config, 16 if calib_size is None else calib_size, quiet,
+                    _round_to_nearest(convert_config))
+
+
+def _load(model_dir, dtype: str, convert_config: ConvertConfig | None, seed: int, quiet: bool,
+          lazy: bool) -> PretrainedModel:
+    """The model of model_dir, or random weights of convert_config's shape; with lazy=True read (or drawn) as each
+    tensor is used."""
     if model_dir is None:
         if convert_config is None:
             raise ValueError("without a model directory, a convert_config must describe the model's shape")
         config = _preparation(convert_config, "the random-weight model")(convert_config.random_model_config(dtype))
-        model = LlamaForCausalLM.random(config, seed=seed)
-    else:
-        model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, quiet=quiet,
-                                                   prepare_config=_preparation(convert_config, model_dir))
-    return quantize(model, quant_config, 16 if calib_size is None else calib_size, quiet)
+        return LlamaForCausalLM.random(config, seed=seed, lazy=lazy)
+    return LlamaForCausalLM.from_hugging_face(model_dir, dtype, quiet=quiet, lazy=lazy,
+                                              prepare_config=_preparation(convert_config, model_dir))
 
 
-def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: bool = False
+def _round_to_nearest(convert_config: ConvertConfig | None) -> bool:
+    return convert_config is not None and convert_config.round_to_nearest
+
+
+def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: bool = False, lazy: bool = False
                 ) -> Callable[[int], PretrainedModel]:
     """rank → that rank's share of an HF directory under convert_config's tp_size × pp_size, read a tensor at a
-    time (load_by_shard: host memory stays at one rank's weights; ConvertConfig refuses quantizing with it, which
-    needs the whole model)."""
+    time (load_by_shard: only that rank's tensors are read; ConvertConfig refuses quantizing with it, which needs
+    the whole model); with lazy=True each tensor is read when it is used."""
     mapping = _mapping(convert_config)
 
     def rank_model(rank: int) -> PretrainedModel:
         return LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping.for_rank(rank), quiet=quiet or rank > 0,
-                                                  prepare_config=_preparation(convert_config, model_dir))
+                                                  prepare_config=_preparation(convert_config, model_dir), lazy=lazy)
 
     return rank_model
 
@@ -68,21 +83,46 @@ def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: boo
 def convert_checkpoint(model_dir, output_dir: str | Path, dtype: str = "auto",
                        convert_config: ConvertConfig | None = None, seed: int = 0, overwrite: bool = False,
                        quiet: bool = False) -> Path:
-    """Load → quantize → save: a Kiln checkpoint of convert_config's tp_size × pp_size ranks (`workers` written at
-    a time; with load_by_shard each rank read on its own from the HF directory). An existing output_dir is replaced
-    only when it is empty or a checkpoint, or with overwrite=True."""
+    """Load → quantize → save, a layer at a time: a Kiln checkpoint of convert_config's tp_size × pp_size ranks.
+    Each tensor is read (a tensor at a time, into its own buffer), quantized (a layer at a time, on the GPU when
+    there is one), cut into the ranks' parts and written into every rank file before the next is read, so host
+    memory holds about one layer (plus calibration activations). With load_by_shard each rank is read on its own
+    from the HF directory, `workers` ranks at a time. An existing output_dir is replaced only when it is empty or a
+    checkpoint, or with overwrite=True."""
     convert_config = convert_config or ConvertConfig()
     mapping = _mapping(convert_config)
+    log = StepLog("Convert", 2, quiet)
+    config_only, workers = convert_config.save_config_only, convert_config.workers
     if convert_config.load_by_shard and mapping.world_size > 1 and model_dir is not None:
-        rank_model = rank_reader(model_dir, dtype, convert_config, quiet)
-        first = rank_model(0)
-        ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
-        return save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files,
-                               config_only=convert_config.save_config_only, workers=convert_config.workers,
-                               overwrite=overwrite)
-    model = convert(model_dir, dtype, convert_config, seed=seed, quiet=quiet)
-    return model.save_checkpoint(output_dir, save_config_only=convert_config.save_config_only, mapping=mapping,
-                                 workers=convert_config.workers, overwrite=overwrite)
+        rank_model = rank_reader(model_dir, dtype, convert_config, quiet, lazy=True)
+        with log.step("Index the model's weights"):
+            first = rank_model(0)
+        with log.step(f"Read and write the {mapping.world_size} ranks, each read on its own"):
+            ranks = {0: first.weights, **{r: (lambda r=r: rank_model(r).weights) for r in range(1, mapping.world_size)}}
+            path = save_checkpoint(output_dir, first.config, ranks, first.tokenizer_files, config_only=config_only,
+                                   workers=workers, overwrite=overwrite)
+        log.done()
+        return path
+    calibrated = " and calibrate" if convert_config.quant_config().needs_calibration else ""
+    with log.step(f"Index the model's weights{calibrated}"):
+        model = _quantized_lazily(_load(model_dir, dtype, convert_config, seed, quiet, lazy=True), convert_config, quiet)
+    with log.step(f"Convert and write {mapping.world_size} rank file(s), a layer at a time"):
+        model = type(model)(model.config, with_progress(model.weights, "Writing", quiet), model.tokenizer_files)
+        path = model.save_checkpoint(output_dir, config_only, mapping, workers, overwrite)
+    log.done()
+    return path
+
+
+def _quantized_lazily(model: PretrainedModel, convert_config: ConvertConfig, quiet: bool) -> PretrainedModel:
+    """The model quantized as convert_config asks, a layer at a time as its weights are used (on the GPU when
+    there is one); the model itself when it asks for nothing."""
+    quant_config = convert_config.quant_config()
+    if not quant_config.enabled:
+        return model
+    device = "cuda" if torch.cuda.is_available() else None
+    config, weights = quantized_weights(model, quant_config, convert_config.calib_size, quiet,
+                                        convert_config.round_to_nearest, device)
+    return type(model)(config, weights, model.tokenizer_files, source="quantized model")
 
 
 def _mapping(convert_config: ConvertConfig) -> Mapping:

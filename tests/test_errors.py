@@ -171,7 +171,7 @@ def test_bad_sampling_values(field, value):
 
 
 def test_failed_write_leaves_nothing_and_keeps_the_old_engine(tiny_models, engine_dir, tmp_path, monkeypatch):
-    import safetensors.torch
+    from kiln.checkpoint.safetensors_file import TensorWriter
 
     shutil.copytree(engine_dir, tmp_path / "engine")
     before = sorted(p.name for p in (tmp_path / "engine").iterdir())
@@ -180,7 +180,7 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_engine(tiny_models, engin
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken_save)
+    monkeypatch.setattr(TensorWriter, "write", broken_save)
     for target in (tmp_path / "engine", tmp_path / "new_engine"):
         with pytest.raises(OSError, match="disk full"):
             engine.save(target)

@@ -79,7 +79,8 @@ VALUES = {
         "per_channel": (True, {"smoothquant": 0.5}), "per_token": (True, SMOOTH), "int8_kv_cache": (True, {}),
         "use_fp8": (True, {}), "fp8_per_token": (True, {"use_fp8": True}), "fp8_kv_cache": (True, {}),
         "quantize_lm_head": (True, WEIGHT_ONLY), "calib_size": (2, WEIGHT_ONLY),
-        "learned_rounding_steps": (1, GPTQ), "ammo_quant_ckpt_path": ("quant.npz", {}),
+        "learned_rounding_steps": (1, GPTQ), "round_to_nearest": (True, WEIGHT_ONLY),
+        "ammo_quant_ckpt_path": ("quant.npz", {}),
         "per_group": (True, {}), "group_size": (32, {**GPTQ, "group_size": 128}),
         "dataset_cache_dir": ("cache", {}), "disable_weight_only_quant_plugin": (True, {}),
         "load_by_shard": (True, {"tp_size": 2}), "load_model_on_cpu": (False, {}),
@@ -445,8 +446,8 @@ def test_a_build_file_reads_by_shard_when_asked(tiny_path, tmp_path, monkeypatch
 
     ranks = []
     original = hf.read_hf_rank_weights
-    monkeypatch.setattr(hf, "read_hf_rank_weights", lambda d, c, mapping, p=None: (
-        ranks.append(mapping.rank) or original(d, c, mapping, p)))
+    monkeypatch.setattr(hf, "read_hf_rank_weights", lambda d, c, mapping: (
+        ranks.append(mapping.rank) or original(d, c, mapping)))
     (tmp_path / "build.yaml").write_text(f"""
 model: {{model_dir: {tiny_path}, output_dir: {tmp_path / 'engine'}}}
 checkpoint: {{tp_size: 2, load_by_shard: true}}

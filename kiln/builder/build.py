@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from kiln.checkpoint.lazy import LazyWeights, meta_tensors
 from kiln.config import BuildConfig, Mapping
 from kiln.models import PretrainedModel
 from kiln.utils.steps import StepLog
@@ -11,8 +12,10 @@ from .engine import Engine
 
 
 def build(model: PretrainedModel, build_config: BuildConfig | None = None, quiet: bool = False) -> Engine:
-    """Turn a loaded model into an engine. Each step prints its name and time. With auto_parallel_config
-    enabled over several GPUs, the (unsharded) model is split as build_auto_parallel chooses."""
+    """Turn a loaded model into an engine. Each step prints its name, time and peak memory. A model with lazy
+    weights gives an engine with lazy weights (fused a layer at a time when they are saved or loaded onto a
+    device). With auto_parallel_config enabled over several GPUs, the (unsharded) model is split as
+    build_auto_parallel chooses."""
     build_config = build_config or BuildConfig()
     auto = build_config.auto_parallel_config
     if auto.enabled and auto.world_size > 1:
@@ -24,10 +27,12 @@ def _build_rank(model: PretrainedModel, build_config: BuildConfig, quiet: bool) 
     log = StepLog("Build", 3, quiet)
     with log.step("Validate the build config against the model"):
         _validate(model, build_config, log)
-    with log.step("Fuse weights into the runtime layout (q/k/v, gate/up)"):
+    fuse = "(a layer at a time as they are used)" if isinstance(model.weights, LazyWeights) else ""
+    with log.step(f"Fuse weights into the runtime layout (q/k/v, gate/up) {fuse}".rstrip()):
         weights = model.engine_weights()
     with log.step("Check the network against its weights"):
-        network = model.network_class.load(model.config, weights, build_config.max_seq_len, device="meta")
+        network = model.network_class.load(model.config, meta_tensors(weights), build_config.max_seq_len,
+                                           device="meta")
         text = describe_network(network, build_config.profiling_verbosity) if build_config.visualize_network else None
     log.done()
     return Engine(model.config, build_config, {model.config.mapping.rank: weights}, model.tokenizer_files, text)

@@ -2,7 +2,6 @@
 (runtime layout) + tokenizer."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -13,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from kiln.checkpoint.lazy import materialize
+from kiln.checkpoint.safetensors_file import TensorReader, file_weights, write_tensors
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
 from kiln.utils.checksum import directory_checksums, verify_checksums
@@ -33,7 +34,8 @@ def engine_hash(pretrained_config: PretrainedConfig, build_config: BuildConfig, 
 
 @dataclass
 class Engine:
-    """A built engine: its configs, each rank's weights in the runtime layout, and tokenizer files."""
+    """A built engine: its configs, each rank's weights in the runtime layout (a dict of tensors, or LazyWeights
+    made a layer at a time when they are saved or loaded), and tokenizer files."""
 
     pretrained_config: PretrainedConfig
     build_config: BuildConfig
@@ -57,23 +59,21 @@ class Engine:
     def save(self, engine_dir: str | Path, overwrite: bool = False) -> Path | None:
         """Write the engine directory atomically (a dry-run build writes nothing and says so). An existing directory
         is replaced only when it is empty or an engine, or with overwrite=True."""
-        from safetensors.torch import save_file
-
         if self.build_config.dry_run:
             print(f"dry run: not writing {engine_dir}")
             return None
         check_output_dir(engine_dir, ENGINE_FORMAT, overwrite)
         with atomic_dir(engine_dir) as tmp:
-            for rank, weights in self.weights.items():
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"rank{rank}.safetensors"),
-                          metadata={"kiln_engine_hash": self.hash, "rank": str(rank)})
+            digests = {f"rank{rank}.safetensors": write_tensors(tmp / f"rank{rank}.safetensors", weights,
+                                                                {"kiln_engine_hash": self.hash, "rank": str(rank)})
+                       for rank, weights in self.weights.items()}
             write_tokenizer_files(self.tokenizer_files, tmp)
             if self.network_text:
                 (tmp / "network.txt").write_text(self.network_text)
             for name, data in self.kernel_cache.items():
                 (tmp / KERNEL_CACHE / name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / KERNEL_CACHE / name).write_bytes(data)
-            manifest = {**self.manifest(), "checksums": directory_checksums(tmp)}
+            manifest = {**self.manifest(), "checksums": directory_checksums(tmp, known=digests)}
             (tmp / "config.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return Path(engine_dir)
 
@@ -81,7 +81,8 @@ class Engine:
     def from_dir(cls, engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",
                  verify: bool = True) -> "Engine":
         """Load and verify an engine: format, Kiln version, config hash, the files' checksums (verify=False skips
-        them), and every tensor's name, shape and dtype against the config."""
+        them), and every tensor's name, shape and dtype against the config (from the file's header, before any is
+        read); then each tensor is read into its own buffer and moved to `device`, one at a time."""
         engine_dir = require_dir(engine_dir, "engine directory")
         manifest = read_manifest(engine_dir)
         pretrained = PretrainedConfig.from_dict(manifest["pretrained_config"])
@@ -96,9 +97,9 @@ class Engine:
         _check_rank_file(weights_file, manifest["hash"])
         if verify:
             verify_checksums(engine_dir, manifest.get("checksums"), "engine", weights_file.name)
-        with _open_rank(weights_file, device) as f:
-            weights = {name: f.get_tensor(name) for name in f.keys()}
+        weights = _open_rank(weights_file, device)
         check_engine_weights(weights, pretrained, str(weights_file))
+        weights = materialize(weights)
         check_sequence_fits(pretrained, build, torch.device(device))
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
@@ -180,17 +181,18 @@ def _check_rank_file(path: Path, expected_hash: str) -> None:
     """The weights file is there, readable, and written with this engine (its metadata carries the same hash)."""
     if not path.is_file():
         raise FileNotFoundError(f"engine weights {path} are missing")
-    with _open_rank(path, "cpu") as f:
-        if (f.metadata() or {}).get("kiln_engine_hash") != expected_hash:
-            raise ValueError(f"{path} belongs to another engine (its hash differs from config.json's)")
-
-
-@contextlib.contextmanager
-def _open_rank(path: Path, device):
-    from safetensors import SafetensorError, safe_open
-
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            yield f
-    except SafetensorError as err:
+        with TensorReader(path) as f:
+            written_with = f.metadata.get("kiln_engine_hash")
+    except ValueError as err:
+        raise ValueError(f"{path}: corrupt or truncated engine weights ({err})") from None
+    if written_with != expected_hash:
+        raise ValueError(f"{path} belongs to another engine (its hash differs from config.json's)")
+
+
+def _open_rank(path: Path, device):
+    """The rank file's tensors as LazyWeights read onto `device`; a damaged file says so."""
+    try:
+        return file_weights(path, device)
+    except ValueError as err:
         raise ValueError(f"{path}: corrupt or truncated engine weights ({err})") from None

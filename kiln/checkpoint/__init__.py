@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .gguf_file import find_gguf, has_tokenizer, read_gguf_config, read_gguf_weights
-from .hf import is_hf_dir, read_hf_config, read_hf_weights
+from .gguf_file import find_gguf, gguf_weights, has_tokenizer, read_gguf_config
+from .hf import hf_weights, is_hf_dir, read_hf_config
 from .io import is_checkpoint_dir, load_checkpoint, load_checkpoint_config, save_checkpoint
 from .layout import check_weights, checkpoint_shapes
+from .lazy import LazyWeights, TensorSpec, materialize, weight_specs
 
-__all__ = ["check_weights", "checkpoint_shapes", "find_gguf", "is_checkpoint_dir", "is_hf_dir", "load_checkpoint",
-           "load_checkpoint_config", "read_source_config", "read_source_weights", "save_checkpoint"]
+__all__ = ["LazyWeights", "TensorSpec", "check_weights", "checkpoint_shapes", "find_gguf", "is_checkpoint_dir",
+           "is_hf_dir", "load_checkpoint", "load_checkpoint_config", "materialize", "read_source_config",
+           "read_source_weights", "save_checkpoint", "source_weights", "weight_specs"]
 
 
 def read_source_config(path: str | Path, dtype: str = "auto"):
@@ -25,16 +27,23 @@ def read_source_config(path: str | Path, dtype: str = "auto"):
     raise FileNotFoundError(f"{str(path)!r} is not a model: no config.json and no .gguf file in it")
 
 
-def read_source_weights(path: str | Path, config, progress=None):
-    """(tensors in the Kiln layout, tokenizer files) of an HF directory or GGUF file."""
+def source_weights(path: str | Path, config) -> tuple[LazyWeights, dict[str, bytes]]:
+    """(tensors in the Kiln layout, each read when it is used; tokenizer files) of an HF directory or GGUF file,
+    their names and shapes checked against `config` before anything is read."""
     from kiln.tokenizer import read_tokenizer_files, tokenizer_files_from_gguf
 
     path = Path(path)
     gguf = find_gguf(path)
     if gguf is not None and not (path.is_dir() and is_hf_dir(path)):
-        weights = read_gguf_weights(gguf, config, progress)
-        tokenizer = tokenizer_files_from_gguf(gguf, has_tokenizer(gguf))
+        weights, tokenizer = gguf_weights(gguf, config), tokenizer_files_from_gguf(gguf, has_tokenizer(gguf))
     else:
-        weights, tokenizer = read_hf_weights(path, config, progress), read_tokenizer_files(path)
+        weights, tokenizer = hf_weights(path, config), read_tokenizer_files(path)
     check_weights(weights, config, str(path))
     return weights, tokenizer
+
+
+def read_source_weights(path: str | Path, config, progress=None):
+    """(tensors in the Kiln layout, tokenizer files) of an HF directory or GGUF file, read a tensor at a time."""
+    weights, tokenizer = source_weights(path, config)
+    units = progress(weights.units(), "Loading weights", len(weights.unit_names())) if progress else weights.units()
+    return {name: tensor for unit in units for name, tensor in unit.items()}, tokenizer

@@ -14,6 +14,7 @@ import torch
 from kiln.config import PretrainedConfig
 
 from .layout import check_finite
+from .lazy import LazyWeights, TensorSpec, unit_key
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -206,25 +207,31 @@ def _rope_scaling(reader, arch: str) -> dict | None:
     return {"type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
 
 
-def read_gguf_weights(path: Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor, rename it, and undo llama.cpp's q/k row permutation."""
-    from gguf.quants import dequantize
-
+def gguf_weights(path: Path, config: PretrainedConfig) -> LazyWeights:
+    """The tensors of a GGUF file in the Kiln layout, each dequantised when it is used (the file is memory-mapped
+    by the gguf reader), renamed, with llama.cpp's q/k row permutation undone, cast to config.dtype."""
     reader = _reader(path)
     permute_qk = _field(reader, "general.architecture") == "llama"
     dtype = _DTYPES[config.dtype]
-    weights = {}
-    for t in (progress(reader.tensors, "Dequantising GGUF") if progress else reader.tensors):
-        name = _rename(t.name, path)
+    tensors = {_rename(t.name, path): t for t in reader.tensors}
+    specs = {name: TensorSpec(tuple(int(d) for d in reversed(t.shape)), dtype) for name, t in tensors.items()}
+
+    def make(names: list[str]) -> dict[str, torch.Tensor]:
+        from gguf.quants import dequantize
+
+        name, t = names[0], tensors[names[0]]
         array = dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(t.shape)))
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(specs[name].shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute(tensor, config.num_attention_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute(tensor, config.num_key_value_heads)
-        weights[name] = tensor.to(dtype)
-        check_finite(t.name, weights[name], path)
-    return weights
+        tensor = tensor.to(dtype)
+        check_finite(t.name, tensor, path)
+        return {name: tensor}
+
+    units = [[name] for name in sorted(specs, key=lambda n: (unit_key(n), n))]
+    return LazyWeights(specs, units, make, str(path))
 
 
 def has_tokenizer(path: Path) -> bool:

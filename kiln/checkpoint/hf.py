@@ -12,26 +12,12 @@ import torch
 from kiln.config import PretrainedConfig
 from kiln.config.pretrained import check_architecture
 
-from .layout import check_finite
-from .prequantized import SUFFIXES, convert_layer, quant_config_from_hf
+from .hf_tensors import HFTensor, hf_units, unit_specs, convert_unit
+from .lazy import LazyWeights
+from .prequantized import quant_config_from_hf
+from .safetensors_file import TensorReader
 
-# HF name (after removing a leading "model.") → Kiln checkpoint name.
-_NAME_RULES = [
-    (re.compile(r"embed_tokens\.weight"), "embed_tokens.weight"),
-    (re.compile(r"norm\.weight"), "norm.weight"),
-    (re.compile(r"lm_head\.weight"), "lm_head.weight"),
-    (re.compile(r"layers\.(\d+)\.self_attn\.([qkvo]_proj)\.(weight|bias)"), r"layers.\1.attn.\2.\3"),
-    (re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)"), r"layers.\1.mlp.\2.\3"),
-    (re.compile(r"layers\.(\d+)\.input_layernorm\.weight"), r"layers.\1.input_norm.weight"),
-    (re.compile(r"layers\.(\d+)\.post_attention_layernorm\.weight"), r"layers.\1.post_attn_norm.weight"),
-    (re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight"), r"layers.\1.moe.router.weight"),
-]
-_EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-_FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -128,19 +114,14 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_file_tensors(path: Path, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of one weights file (only names `wanted(name)` accepts, the others are never read);
-    a truncated or corrupt file is a ValueError naming it."""
+    """(name, tensor) of one weights file (only names `wanted(name)` accepts, the others are never read), each read
+    into its own buffer; a truncated or corrupt file is a ValueError naming it."""
     wanted = wanted or (lambda name: True)
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if wanted(name):
-                        yield name, f.get_tensor(name)
-        except SafetensorError as err:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file ({err})") from None
+        with TensorReader(path) as f:
+            for name in f.keys():
+                if wanted(name):
+                    yield name, f.read(name)
     else:
         yield from ((name, tensor) for name, tensor in _torch_file_tensors(path).items() if wanted(name))
 
@@ -161,19 +142,58 @@ def _torch_file_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_hf_weights(model_dir: str | Path, config: PretrainedConfig, progress=None) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory, renamed to the Kiln layout and cast to config.dtype."""
-    files = weight_files(model_dir)
-    files = progress(files, "Loading weights") if progress else files
-    return convert_hf_tensors(((name, tensor, path) for path in files for name, tensor in iter_file_tensors(path)),
-                              config)
+def hf_weights(model_dir: str | Path, config: PretrainedConfig, wanted=None) -> LazyWeights:
+    """The tensors of an HF directory in the Kiln layout, cast to config.dtype, each unit read (a tensor at a time,
+    only the HF names `wanted(name)` accepts) when it is used. Safetensors headers give every shape before anything
+    is read; PyTorch .bin files are opened once (memory-mapped where they can be)."""
+    wanted = wanted or (lambda name: True)
+    tensors, states = {}, {}
+    for path in weight_files(model_dir):
+        if path.suffix == ".safetensors":
+            with TensorReader(path) as f:
+                tensors.update({n: HFTensor(f.spec(n)[0], path) for n in f.keys() if wanted(n)})
+        else:
+            states[path] = _torch_file_tensors(path)
+            tensors.update({n: HFTensor(tuple(t.shape), path) for n, t in states[path].items() if wanted(n)})
+
+    def read(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        files: dict[Path, set[str]] = {}
+        for name in names:
+            files.setdefault(tensors[name].path, set()).add(name)
+        for path, in_file in files.items():
+            if path in states:
+                yield from ((n, states[path][n]) for n in in_file)
+            else:
+                yield from iter_file_tensors(path, in_file.__contains__)
+
+    return lazy_hf_weights(tensors, config, read, str(model_dir))
 
 
-def read_hf_rank_weights(model_dir: str | Path, config: PretrainedConfig, mapping, progress=None):
-    """One rank's share of an HF directory, read a tensor at a time (load_by_shard): tensors of other pipeline
-    stages are never read, and each tensor is cut to this rank's part as soon as it is converted, so host memory
-    holds this rank's weights plus one tensor (one layer's experts for MoE)."""
-    from .sharding import local_dims, shard_weights
+def state_dict_weights(state: dict[str, torch.Tensor], config: PretrainedConfig, source: str) -> LazyWeights:
+    """An in-memory state dict with HF names (a transformers model's) in the Kiln layout."""
+    tensors = {name: HFTensor(tuple(t.shape), source) for name, t in state.items()}
+    return lazy_hf_weights(tensors, config, lambda names: ((n, state[n]) for n in names), source)
+
+
+def lazy_hf_weights(tensors: dict[str, HFTensor], config: PretrainedConfig, read, source: str) -> LazyWeights:
+    """LazyWeights over HF tensors whose names and shapes are known; `read(hf_names)` yields (name, tensor)."""
+    units = hf_units(tensors, config)
+    specs = {name: spec for unit in units for name, spec in unit_specs(unit, tensors, config).items()}
+    by_first = {unit.outputs[0]: unit for unit in units}
+    paths = {name: info.path for name, info in tensors.items()}
+
+    def make(outputs: list[str]) -> dict[str, torch.Tensor]:
+        unit = by_first[outputs[0]]
+        return convert_unit(unit, read(unit.inputs), paths, config)
+
+    return LazyWeights(specs, [unit.outputs for unit in units], make, source)
+
+
+def read_hf_rank_weights(model_dir: str | Path, config: PretrainedConfig, mapping) -> LazyWeights:
+    """One rank's share of an HF directory (load_by_shard): tensors of other pipeline stages are never read, and
+    each tensor is cut to this rank's part as soon as it is converted, so host memory holds one tensor (one
+    layer's experts for MoE) beyond what the caller keeps."""
+    from .sharding import local_dims, shard_view
 
     dims = local_dims(dataclasses.replace(config, mapping=mapping))
     layer = re.compile(r"(?:model\.)?layers\.(\d+)\.")
@@ -186,70 +206,4 @@ def read_hf_rank_weights(model_dir: str | Path, config: PretrainedConfig, mappin
             return keep_embedding
         return dims.last_stage or not name.endswith(("lm_head.weight", "norm.weight"))
 
-    def cut(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        return shard_weights(config, {name: tensor}, mapping)[1].get(name)
-
-    files = weight_files(model_dir)
-    files = progress(files, "Loading weights") if progress else files
-    return convert_hf_tensors(((n, t, p) for p in files for n, t in iter_file_tensors(p, wanted)), config, cut)
-
-
-def convert_hf_tensors(tensors, config: PretrainedConfig, cut=None) -> dict[str, torch.Tensor]:
-    """(HF name, tensor, source) triples → tensors in the Kiln layout, cast to config.dtype; `cut(name, tensor)`,
-    when given, replaces each finished tensor by the part to keep (None: drop it)."""
-    dtype = _DTYPES[config.dtype]
-    weights: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    packed: dict[str, dict[str, torch.Tensor]] = {}       # AWQ/GPTQ layers: base name → their tensors
-    for hf_name, tensor, path in tensors:
-        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-        if _IGNORED.fullmatch(name):
-            continue
-        base, _, suffix = name.rpartition(".")
-        if suffix in SUFFIXES and config.quantization.quant_algo:
-            check_finite(hf_name, tensor, path)
-            packed.setdefault(_rename(base + ".weight", hf_name, path)[:-len(".weight")], {})[suffix] = tensor
-            continue
-        tensor = tensor.to(dtype)
-        check_finite(hf_name, tensor, path)       # after the cast: float32 values beyond float16's range are Inf
-        if m := _EXPERT.fullmatch(name):
-            key = (int(m[1]), _EXPERT_NAMES[m[3]])
-            experts.setdefault(key, {})[int(m[2])] = tensor
-            if len(experts[key]) == config.moe_num_experts:        # the layer's experts are complete: stack them
-                per_expert = experts.pop(key)
-                _keep(weights, f"layers.{key[0]}.moe.{key[1]}", torch.stack([per_expert[e] for e in sorted(per_expert)]),
-                      cut)
-        elif m := _FUSED_EXPERTS.fullmatch(name):
-            for kiln_name, part in _split_fused_experts(int(m[1]), m[2], tensor).items():
-                _keep(weights, kiln_name, part, cut)
-        else:
-            _keep(weights, _rename(name, hf_name, path), tensor, cut)
-    for (layer, kind), per_expert in experts.items():
-        _keep(weights, f"layers.{layer}.moe.{kind}", torch.stack([per_expert[e] for e in sorted(per_expert)]), cut)
-    for base, layer in packed.items():
-        for k, v in convert_layer(layer, config.quantization).items():
-            _keep(weights, f"{base}.{k}", v, cut)
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights
-
-
-def _keep(weights: dict, name: str, tensor: torch.Tensor, cut) -> None:
-    if cut is not None:
-        tensor = cut(name, tensor)
-    if tensor is not None:
-        weights[name] = tensor
-
-
-def _rename(name: str, hf_name: str, path: Path) -> str:
-    for pattern, replacement in _NAME_RULES:
-        if pattern.fullmatch(name):
-            return pattern.sub(replacement, name)
-    raise ValueError(f"{path}: unexpected tensor {hf_name!r} for this architecture")
-
-
-def _split_fused_experts(layer: int, kind: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    if kind == "down_proj":
-        return {f"layers.{layer}.moe.down_proj": tensor}
-    gate, up = tensor.chunk(2, dim=1)   # (E, 2I, H): gate rows first
-    return {f"layers.{layer}.moe.gate_proj": gate.contiguous(), f"layers.{layer}.moe.up_proj": up.contiguous()}
+    return shard_view(config, hf_weights(model_dir, config, wanted), mapping)

@@ -136,18 +136,22 @@ def check_layer_count(weights: dict, config: PretrainedConfig, source: str) -> N
 
 
 def check_tensors(weights: dict, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str) -> None:
-    """Every expected tensor present with its (shape, dtype), nothing unexpected; else a ValueError naming it."""
+    """Every expected tensor present with its (shape, dtype), nothing unexpected; else a ValueError naming it
+    (lazy weights are checked by their specs, nothing made)."""
+    from .lazy import weight_specs
+
     missing = [n for n in expected if n not in weights]
     if missing:
         raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     extra = [n for n in weights if n not in expected]
     if extra:
         raise ValueError(f"{source}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    specs = weight_specs(weights)
     for name, (shape, dtype) in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
-        if weights[name].dtype != dtype:
-            raise ValueError(f"{source}: tensor {name!r} is {str(weights[name].dtype).removeprefix('torch.')}, "
+        if tuple(specs[name].shape) != shape:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(specs[name].shape)}, expected {shape}")
+        if specs[name].dtype != dtype:
+            raise ValueError(f"{source}: tensor {name!r} is {str(specs[name].dtype).removeprefix('torch.')}, "
                              f"expected {str(dtype).removeprefix('torch.')}")
 
 

@@ -22,6 +22,8 @@ import torch
 
 from kiln.config import Mapping, PretrainedConfig
 
+from .lazy import TensorSpec
+
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -96,6 +98,52 @@ def shard_weights(full: PretrainedConfig, weights: dict[str, torch.Tensor], mapp
     """(config of `mapping.rank`, that rank's tensors) from the tensors of an unsharded (tp = pp = 1) model."""
     config = dataclasses.replace(full, mapping=mapping)
     check_parallel(config)
+    cut = _cutter(full, mapping)
+    out = {name: part for name, t in weights.items() if (part := cut(name, t)) is not None}
+    return config, {k: v.contiguous() for k, v in out.items()}
+
+
+def shard_view(full: PretrainedConfig, weights, mapping: Mapping):
+    """`mapping.rank`'s share of an unsharded model's weights (a dict or kiln.checkpoint.lazy weights) as
+    LazyWeights: each tensor cut when it is made (the others are never made)."""
+    from .lazy import LazyWeights, iter_take, meta_tensors, units_like, weights_device
+
+    check_parallel(dataclasses.replace(full, mapping=mapping))
+    cut = _cutter(full, mapping)
+    specs = {name: TensorSpec(tuple(part.shape), part.dtype) for name, t in meta_tensors(weights).items()
+             if (part := cut(name, t)) is not None}
+
+    def make(names: list[str]) -> dict[str, torch.Tensor]:
+        return {name: cut(name, t).contiguous() for name, t in iter_take(weights, names)}
+
+    label = getattr(weights, "source", "model")
+    return LazyWeights(specs, units_like(weights, specs), make, f"{label} (rank {mapping.rank})",
+                       weights_device(weights))
+
+
+def rank_parts(full: PretrainedConfig, weights, mapping: Mapping):
+    """(rank → name → TensorSpec of what it holds, and an iterator giving, for each tensor of the unsharded model's
+    `weights` as it is made, the [(rank, name, part)] of the ranks holding part of it): every rank of `mapping`
+    cut from one pass over the weights."""
+    from .lazy import meta_tensors
+
+    check_parallel(dataclasses.replace(full, mapping=mapping))
+    cutters = {rank: _cutter(full, mapping.for_rank(rank)) for rank in range(mapping.world_size)}
+    meta = meta_tensors(weights)
+    specs = {rank: {name: TensorSpec(tuple(part.shape), part.dtype) for name, t in meta.items()
+                    if (part := cut(name, t)) is not None} for rank, cut in cutters.items()}
+
+    def parts():
+        for name, t in weights.items():
+            yield [(rank, name, part.contiguous()) for rank, cut in cutters.items()
+                   if (part := cut(name, t)) is not None]
+
+    return specs, parts()
+
+
+def _cutter(full: PretrainedConfig, mapping: Mapping):
+    """(name, tensor of the unsharded model) → the part of it `mapping.rank` holds, or None."""
+    config = dataclasses.replace(full, mapping=mapping)
     dims, tp, r = local_dims(config), mapping.tp_size, mapping.tp_rank
     hd, kv = full.head_dim, full.num_key_value_heads
     kv_first = r * dims.kv_heads if kv >= tp else r // (tp // kv)
@@ -103,29 +151,28 @@ def shard_weights(full: PretrainedConfig, weights: dict[str, torch.Tensor], mapp
                "v_proj": (kv_first * hd, dims.kv_heads * hd), "gate_proj": (r * dims.intermediate, dims.intermediate),
                "up_proj": (r * dims.intermediate, dims.intermediate)}
     row_inputs = ("o_proj", "down_proj")
-    out = {}
-    for name, t in weights.items():
+
+    def cut(name: str, t: torch.Tensor) -> torch.Tensor | None:
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
         if layer is not None and layer not in dims.layers:
-            continue
+            return None
         if name == "embed_tokens.weight":
-            if dims.first_stage or (full.tie_word_embeddings and dims.last_stage):
-                out[name] = _shard_embedding(t, config, dims)
-            continue
+            keep = dims.first_stage or (full.tie_word_embeddings and dims.last_stage)
+            return _shard_embedding(t, config, dims) if keep else None
         if name in ("norm.weight", "lm_head.weight") and not dims.last_stage:
-            continue
+            return None
         module, tensor = _module_and_tensor(name)
         if ".moe." in name and module in _EXPERT_PROJECTIONS:
-            out[name] = _shard_experts(t, module, tensor, config, dims)
-        elif module == "lm_head" and tensor != "input_scale":
-            out[name] = _pad_rows(t, dims.vocab_padded).narrow(0, r * dims.vocab_padded // tp, dims.vocab_padded // tp)
-        elif module in columns and tensor != "input_scale":
-            out[name] = t.narrow(0, *columns[module])
-        elif module in row_inputs:
-            out[name] = _shard_row_parallel(t, tensor, tp, r)
-        else:                                                    # norms, router, static activation scales
-            out[name] = t
-    return config, {k: v.contiguous() for k, v in out.items()}
+            return _shard_experts(t, module, tensor, config, dims)
+        if module == "lm_head" and tensor != "input_scale":
+            return _pad_rows(t, dims.vocab_padded).narrow(0, r * dims.vocab_padded // tp, dims.vocab_padded // tp)
+        if module in columns and tensor != "input_scale":
+            return t.narrow(0, *columns[module])
+        if module in row_inputs:
+            return _shard_row_parallel(t, tensor, tp, r)
+        return t                                                  # norms, router, static activation scales
+
+    return cut
 
 
 def _module_and_tensor(name: str) -> tuple[str, str]:

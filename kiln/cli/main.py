@@ -255,13 +255,13 @@ def cmd_build(args) -> None:
                 if build_config.auto_parallel_config.enabled:
                     raise ValueError(f"{args.checkpoint_dir} is already sharded ({world} ranks): drop --auto_parallel")
                 engine = build_all_ranks(
-                    lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank, verify), world,
-                    build_config, quiet, workers)
+                    lambda rank: LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, rank, verify, lazy=True),
+                    world, build_config, quiet, workers)
                 _finish_build(engine, build_config, output_dir, quiet, args.overwrite)
                 return
-            model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, verify=verify)
+            model = LlamaForCausalLM.from_checkpoint(args.checkpoint_dir, verify=verify, lazy=True)
         else:
-            model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet)
+            model = LlamaForCausalLM.from_hugging_face(args.model_dir, args.dtype, quiet=quiet, lazy=True)
         engine = _build_model(model, build_config, 1, 1, quiet, workers)
     _finish_build(engine, build_config, output_dir, quiet, args.overwrite)
 
@@ -355,7 +355,7 @@ def _from_build_file(args, quiet: bool):
     if convert.load_by_shard and mapping.world_size > 1 and model_dir:
         if build_config.auto_parallel_config.enabled:
             raise ValueError("give either the checkpoint's tp_size/pp_size or auto_parallel, not both")
-        engine = build_all_ranks(rank_reader(model_dir, spec.model.dtype, convert, quiet),
+        engine = build_all_ranks(rank_reader(model_dir, spec.model.dtype, convert, quiet, lazy=True),
                                  mapping.world_size, build_config, quiet, convert.workers)
         return engine, build_config, spec.model.output_dir
     model = convert_model(model_dir, spec.model.dtype, convert, quiet=quiet)

@@ -13,6 +13,8 @@ from kiln.config import PretrainedConfig
 from kiln.kernels import AttentionMetadata, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin, select_ops
 
 from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
+from kiln.checkpoint.lazy import (LazyWeights, TensorSpec, iter_take, layer_units, materialize, weight_specs,
+                                  weights_device)
 from kiln.checkpoint.sharding import local_dims
 from kiln.distributed.comm import Comm
 
@@ -232,29 +234,53 @@ class DecoderForCausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None  # (max_seq_len, head_dim), set by load()
 
     @classmethod
-    def load(cls, config: PretrainedConfig, weights: dict[str, torch.Tensor], max_seq_len: int,
-             device: torch.device | str = "cpu", ops=None, comm: Comm | None = None) -> "DecoderForCausalLM":
-        """Build on the meta device, adopt `weights` (engine layout) without copying them, pick the kernels and
-        the tensor-parallel collectives."""
-        with torch.device("meta"):
-            net = cls(config)
+    def load(cls, config: PretrainedConfig, weights, max_seq_len: int, device: torch.device | str = "cpu", ops=None,
+             comm: Comm | None = None) -> "DecoderForCausalLM":
+        """Build on the meta device, adopt `weights` (engine layout: a dict, or LazyWeights moved to the device a
+        unit at a time) without copying them, pick the kernels and the tensor-parallel collectives."""
+        net = cls.empty(config, max_seq_len, device)
         try:
             net.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True, assign=True)
         except RuntimeError as err:
             raise ValueError(f"engine weights do not match the engine's config: {err}") from None
-        net.cos_sin = rope_cos_sin(max_seq_len, config.head_dim, config.rotary_base, config.rope_scaling).to(device)
         if torch.device(device).type == "cpu":
             reference.use_cpu_weight_layout(net)
-        net.ops, net.comm = ops or select_ops(device), comm or Comm()
-        for module in net.modules():
+        net.use_ops(ops or select_ops(device), comm or Comm())
+        return net.eval()
+
+    @classmethod
+    def empty(cls, config: PretrainedConfig, max_seq_len: int, device: torch.device | str = "cpu"):
+        """The network with every weight on the meta device (no memory) and its rotary table on `device`."""
+        with torch.device("meta"):
+            net = cls(config)
+        net.cos_sin = rope_cos_sin(max_seq_len, config.head_dim, config.rotary_base, config.rope_scaling).to(device)
+        return net
+
+    def use_ops(self, ops, comm: Comm | None = None) -> None:
+        """Give every module the kernels and collectives; quantized layers take the kernels' layout; fusions."""
+        self.ops, self.comm = ops, comm or Comm()
+        comm = self.comm
+        for module in self.modules():
             if hasattr(type(module), "ops"):
-                module.ops = net.ops
+                module.ops = ops
             if hasattr(type(module), "comm"):
-                module.comm = net.comm
+                module.comm = comm
             if isinstance(module, QuantLinear):
                 module.use_kernel_layout()
-        fuse(net, net.ops, net.fusion_sites())
-        return net.eval()
+        fuse(self, ops, self.fusion_sites())
+
+    def adopt(self, weights: dict[str, torch.Tensor], device: torch.device | str) -> None:
+        """Take some of the engine-layout weights (e.g. one layer's; the rest stay where they are), moved to
+        `device` and laid out as `load` lays them out there."""
+        result = self.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False, assign=True)
+        if result.unexpected_keys:
+            raise ValueError(f"engine weights do not match the engine's config: unexpected {result.unexpected_keys}")
+        if torch.device(device).type == "cpu":
+            reference.use_cpu_weight_layout(self)
+
+    def release(self, module: str) -> None:
+        """Drop the weights of the submodule `module` (back to the meta device)."""
+        self.get_submodule(module).to("meta")
 
     def fusion_sites(self) -> list[NormSite | SiluSite]:
         """Where the kernels may do two modules' work (kiln.kernels.fusion): each RMSNorm with the linear layer that
@@ -313,29 +339,67 @@ class DecoderForCausalLM(nn.Module):
 
 
 _SHARED = ("input_scale", "smoother")   # per input channel/tensor: the same for every fused part
+_FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+_LATER_PARTS = {"k_proj", "v_proj", "up_proj"}
 
 
 def fuse_weights(config: PretrainedConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint layout → engine layout: q/k/v and gate/up concatenated along the output dimension (weights,
-    biases and per-output scales; input scales and smoothers are shared by the parts and kept once), experts' too."""
-    out = {}
-    parts = {"q_proj": ("qkv_proj", ["q_proj", "k_proj", "v_proj"]), "gate_proj": ("gate_up_proj", ["gate_proj", "up_proj"])}
-    skip = {"k_proj", "v_proj", "up_proj"}
-    for name, tensor in weights.items():
+    biases and per-output scales; input scales and smoothers are shared by the parts and kept once), experts' too;
+    each fused tensor allocated once at its final size and its parts copied in."""
+    return materialize(fused_view(config, weights))
+
+
+def fused_view(config: PretrainedConfig, weights) -> LazyWeights:
+    """The engine layout of checkpoint-layout weights (a dict, or LazyWeights) as LazyWeights made a layer at a
+    time: each source tensor is made, copied into its place and dropped before the next one is made."""
+    specs, places = _fused_places(weight_specs(weights))
+
+    def make(names: list[str]) -> dict[str, torch.Tensor]:
+        wanted = set(names)
+        sources = [src for src, (target, _, _) in places.items() if target in wanted]
+        out: dict[str, torch.Tensor] = {}
+        for src, tensor in iter_take(weights, sources):
+            target, dim, offset = places[src]
+            if dim is None:
+                out[target] = tensor
+                continue
+            if target not in out:
+                out[target] = torch.empty(specs[target].shape, dtype=specs[target].dtype, device=tensor.device)
+            out[target].narrow(dim, offset, tensor.shape[dim]).copy_(tensor)
+        return out
+
+    return LazyWeights(specs, layer_units(specs), make, f"{getattr(weights, 'source', 'model')} (fused)",
+                       weights_device(weights))
+
+
+def _fused_places(source: dict[str, TensorSpec]):
+    """(engine name → TensorSpec, source name → (engine name, dimension it is stacked along or None: taken as it
+    is, offset along it)); the parts of a fused tensor that are shared (input scales, smoothers) are taken from the
+    first part only."""
+    specs, places = {}, {}
+    for name, spec in source.items():
         base, _, suffix = name.rpartition(".")
         head, _, module = base.rpartition(".")
-        if name.endswith("moe.gate_proj"):
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, weights[name.replace("gate", "up")]], 1)
-        elif name.endswith("moe.up_proj") or module in skip:
-            continue
-        elif module in parts:
-            fused, members = parts[module]
-            pieces = [weights[f"{head}.{m}.{suffix}"] for m in members]
-            stacked = head.endswith(".moe")                  # experts (E, out, in): their rows are dimension 1
-            out[f"{head}.{fused}.{suffix}"] = pieces[0] if suffix in _SHARED else torch.cat(pieces, dim=int(stacked))
+        if name.endswith(("moe.gate_proj", "moe.up_proj")):         # float experts (E, out, in): rows are dim 1
+            head, module, suffix, dim, members = base, suffix, "", 1, _FUSED["gate_proj"][1]
+        elif module in _FUSED or module in _LATER_PARTS:
+            dim, members = int(head.endswith(".moe")), next(m for f, m in _FUSED.values() if module in m)
         else:
-            out[name] = tensor
-    return out
+            specs[name], places[name] = spec, (name, None, 0)
+            continue
+        fused = next(f for f, m in _FUSED.values() if module in m)
+        target = f"{head}.{fused}" + (f".{suffix}" if suffix else "")
+        if suffix in _SHARED:
+            if module == members[0]:
+                specs[target], places[name] = spec, (target, None, 0)
+            continue
+        parts = [source[f"{head}.{m}" + (f".{suffix}" if suffix else "")] for m in members]
+        offset = sum(p.shape[dim] for p in parts[:members.index(module)])
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        specs[target], places[name] = TensorSpec(tuple(shape), spec.dtype), (target, dim, offset)
+    return specs, places
 
 
 class LlamaForCausalLM(PretrainedModel):
@@ -343,7 +407,10 @@ class LlamaForCausalLM(PretrainedModel):
 
     network_class = DecoderForCausalLM
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
+    def engine_weights(self):
+        """The engine layout: a dict, or for lazy weights LazyWeights fused a layer at a time."""
+        if isinstance(self.weights, LazyWeights):
+            return fused_view(self.config, self.weights)
         return fuse_weights(self.config, self.weights)
 
 

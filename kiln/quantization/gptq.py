@@ -34,21 +34,24 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, round_column: Callable[[torch.T
     values), in act order, the rounding error spread over the columns still to come."""
     out_features, in_features = w.shape
     order = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(in_features)
-    w = w.float()[:, order].clone()
-    w[:, torch.diag(hessian)[order] == 0] = 0.0
+    # Columns are kept as rows (w transposed) so that each column's updates run over contiguous memory; every value
+    # is computed by the same operations as on (out, in) matrices, and the lazy block update by the same product.
+    w_t = w.float()[:, order].t().contiguous()                          # (in, out), act order
+    w_t[torch.diag(hessian)[order] == 0] = 0.0
     h_inv = inverse_hessian_factor(hessian[order][:, order], damp)
-    result = torch.empty_like(w)
+    columns = order.tolist()                                   # read once: no device sync per column
+    result_t = torch.empty_like(w_t)
     for start in range(0, in_features, BLOCK):
         stop = min(start + BLOCK, in_features)
-        block, errors = w[:, start:stop].clone(), torch.empty(out_features, stop - start, device=w.device)
+        block, errors = w_t[start:stop].clone(), torch.empty(stop - start, out_features, device=w.device)
         h_block = h_inv[start:stop, start:stop]
         for i in range(stop - start):
-            result[:, start + i] = round_column(block[:, i], int(order[start + i]))
-            error = (block[:, i] - result[:, start + i]) / h_block[i, i]
-            block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
-            errors[:, i] = error
-        w[:, stop:] -= errors @ h_inv[start:stop, stop:]
-    return result[:, torch.argsort(order)]
+            result_t[start + i] = round_column(block[i], columns[start + i])
+            error = (block[i] - result_t[start + i]) / h_block[i, i]
+            block[i:] -= h_block[i, i:][:, None] * error[None, :]
+            errors[i] = error
+        w_t[stop:] -= (errors.t().contiguous() @ h_inv[start:stop, stop:]).t()
+    return result_t[torch.argsort(order)].t().contiguous()
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

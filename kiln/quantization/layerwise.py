@@ -1,8 +1,10 @@
 """The float network run one decoder layer at a time over all calibration sequences (packed into one batch), so
-that AWQ and GPTQ quantize each layer on the inputs the already-quantized layers before it produce.
+that AWQ and GPTQ quantize each layer on the inputs the already-quantized layers before it produce. Only the
+layers being worked on hold weights: each layer's float weights are read (from the model's weights, lazy or not)
+when it is reached and dropped when it is advanced past.
 
     runner = LayerRunner(model, sequences)
-    for index, layer in runner.layers():
+    for index, layer in runner.layers():                          # the layer's float weights read now
         inputs = runner.capture(layer, ["attn.qkv_proj", ...])   # (tokens, in) input of each named linear
         ...                                                       # change the layer's weights
         runner.advance(layer)                                     # its outputs become the next layer's inputs
@@ -16,9 +18,11 @@ import dataclasses
 
 import torch
 
+from kiln.checkpoint.lazy import weights_device
 from kiln.config import QuantConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps
 from kiln.models.base import PretrainedModel
+from kiln.models.llama import fused_view
 
 BLOCK = 16
 
@@ -35,28 +39,48 @@ def _packed_metadata(lengths: list[int], device) -> tuple[torch.Tensor, Attentio
     return positions.to(device), meta
 
 
-class LayerRunner:
-    """Float copy of the model's network (reference kernels); the caller may replace its layers' weights."""
+def float_network(model: PretrainedModel, max_len: int, device=None):
+    """(the model's float network on the reference kernels with no weights yet, its engine-layout weights to adopt
+    a module at a time (kiln.models.llama.fused_view), the device: `device`, or where the weights are)."""
+    config = dataclasses.replace(model.config, quantization=QuantConfig())
+    device = torch.device(device) if device is not None else weights_device(model.weights)
+    net = model.network_class.empty(config, max_len, device)
+    net.use_ops(ReferenceOps())
+    return net, fused_view(config, model.weights), device
 
-    def __init__(self, model: PretrainedModel, sequences: list[list[int]]):
+
+def adopt_module(net, fused, module: str, device) -> None:
+    """The float weights of the network's `module` (e.g. layers.3) made and taken by the network."""
+    net.adopt(dict(fused.iter_take([n for n in fused if n.startswith(module + ".")])), device)
+
+
+class LayerRunner:
+    """Float copy of the model's network (reference kernels) on `device` (default: where the weights are); the
+    caller may replace its layers' weights."""
+
+    def __init__(self, model: PretrainedModel, sequences: list[list[int]], device=None):
         if model.config.mapping.world_size > 1:
             raise ValueError("layer-by-layer calibration (AWQ, GPTQ) needs an unsharded model")
-        config = dataclasses.replace(model.config, quantization=QuantConfig())
-        device = next(iter(model.weights.values())).device
         lengths = [len(s) for s in sequences]
         self.lengths, self.starts = lengths, [0, *torch.tensor(lengths).cumsum(0).tolist()]
-        self.net = model.network_class.load(config, model.engine_weights(), max(lengths), device, ops=ReferenceOps())
+        self.net, self.fused, device = float_network(model, max(lengths), device)
+        self.device, config = device, self.net.config
         self.positions, self.meta = _packed_metadata(lengths, device)
         blocks = int(self.meta.block_tables.numel())
         dtype = getattr(torch, config.dtype)
         self.cache = torch.zeros((2, blocks, BLOCK, config.num_key_value_heads, config.head_dim), dtype=dtype,
                                  device=device)
         ids = torch.tensor([t for s in sequences for t in s], device=device)
+        adopt_module(self.net, self.fused, "embed_tokens", device)
         with torch.inference_mode():
             self.hidden, self.residual = self.net.embed(ids), None
+        self.net.release("embed_tokens")
 
     def layers(self):
-        return self.net.layers.items()
+        """(index, layer) of each layer in order, its float weights read as it is reached."""
+        for index, layer in self.net.layers.items():
+            adopt_module(self.net, self.fused, f"layers.{index}", self.device)
+            yield index, layer
 
     @torch.inference_mode()
     def _run(self, layer):
@@ -81,8 +105,9 @@ class LayerRunner:
         return float(self.cache[0].abs().max()), float(self.cache[1].abs().max())
 
     def advance(self, layer) -> None:
-        """Run `layer` as it now is; its outputs become the inputs of the next one."""
+        """Run `layer` as it now is; its outputs become the inputs of the next one, and its weights are dropped."""
         self.hidden, self.residual = self._run(layer)
+        layer.to("meta")
 
     def stream(self) -> torch.Tensor:
         """The residual stream entering the next layer (hidden + residual: what its first RMSNorm normalises), as

@@ -34,17 +34,19 @@ REFITS = 1          # int4: times the grid is refitted to the levels and the lev
 
 
 def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences: list[list[int]],
-                    quiet: bool = False):
-    """({engine module name: {weight (int4 levels unpacked, or e4m3), weight_scale[, weight_zero]}, each with
-    one row per output}, {engine name: float weight that AWQ changed (norms, biases)}, per layer the largest
-    |key| and |value| the quantized layer caches)."""
-    runner = LayerRunner(model, sequences)
+                    quiet: bool = False, device=None):
+    """Per layer, in order, as it is quantized (on `device`; default: where the weights are): (its index,
+    {engine module name: {weight (int4 levels unpacked, or e4m3), weight_scale[, weight_zero]}, each with one row per
+    output}, {engine name: float weight that AWQ changed (norms, biases)}, the largest |key| and |value| the
+    quantized layer caches)."""
+    runner = LayerRunner(model, sequences, device)
     names = [n for n in (LINEARS[:2] if model.config.is_moe else LINEARS) if quant_config.quantizes(n)]
     experts = model.config.is_moe and any(quant_config.quantizes(n) for n in EXPERT_PROJECTIONS)
     steps = quant_config.learned_rounding_steps
     float_stream = runner.stream() if steps else None      # the float network's own residual stream
-    results, changed, kv = {}, {}, []
-    for index, layer in progress(list(runner.layers()), "Quantizing layers", quiet=quiet):
+    layers = progress(runner.layers(), "Quantizing layers", total=len(runner.net.layers), quiet=quiet)
+    for index, layer in layers:
+        results, changed = {}, {}
         inputs = runner.capture(layer, names + (["moe"] if experts else []))
         moe_inputs = inputs.pop("moe", None)
         stats = _statistics(inputs)
@@ -66,8 +68,7 @@ def quantize_layers(model: PretrainedModel, quant_config: QuantConfig, sequences
         if steps:
             _learn_rounding(runner, layer, grids, float_stream, steps, int(index), results, f"layers.{index}.")
         runner.advance(layer)
-        kv.append(runner.kv_peaks())
-    return results, changed, kv
+        yield int(index), results, changed, runner.kv_peaks()
 
 
 def _learn_rounding(runner, layer, grids: dict[str, IntGrid], target, steps: int, seed: int, results: dict,

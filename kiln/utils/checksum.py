@@ -26,6 +26,42 @@ def file_digest(path: Path, threads: int | None = None) -> str:
         return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
+class ChunkHasher:
+    """A file's digest (as file_digest computes it) taken while the file is written in any order: each 64 MiB
+    chunk is hashed by a thread as soon as all its bytes are written, read back while the system still caches
+    them, instead of the whole file being read again once it is finished."""
+
+    def __init__(self, path: Path, size: int, threads: int | None = None):
+        self.path, self.size = Path(path), size
+        self.missing = [min(CHUNK, size - start) for start in range(0, size, CHUNK)]
+        self.pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1))
+        self.digests: list = [None] * len(self.missing)
+
+    def written(self, start: int, length: int) -> None:
+        """Bytes [start, start + length) of the file are written (each byte once)."""
+        end = start + length
+        while start < end:
+            index = start // CHUNK
+            stop = min(end, (index + 1) * CHUNK)
+            self.missing[index] -= stop - start
+            if self.missing[index] == 0:
+                chunk_start = index * CHUNK
+                self.digests[index] = self.pool.submit(_chunk_digest, self.path, chunk_start,
+                                                       min(CHUNK, self.size - chunk_start))
+            start = stop
+
+    def digest(self) -> str:
+        try:
+            if any(d is None for d in self.digests):
+                raise ValueError(f"{self.path}: hashed before all of it was written")
+            return hashlib.sha256(b"".join(d.result() for d in self.digests)).hexdigest()
+        finally:
+            self.pool.shutdown()
+
+    def abort(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
 def _chunk_digest(path: Path, start: int, length: int) -> bytes:
     digest, buffer = hashlib.sha256(), bytearray(min(_READ, length))
     with open(path, "rb", buffering=0) as f:
@@ -39,11 +75,15 @@ def _chunk_digest(path: Path, start: int, length: int) -> bytes:
     return digest.digest()
 
 
-def directory_checksums(directory: Path, skip: tuple[str, ...] = ("config.json",)) -> dict:
-    """{"algorithm", "files": {relative path: {"bytes", "digest"}}} of every file under `directory` but `skip`."""
+def directory_checksums(directory: Path, skip: tuple[str, ...] = ("config.json",),
+                        known: dict[str, str] | None = None) -> dict:
+    """{"algorithm", "files": {relative path: {"bytes", "digest"}}} of every file under `directory` but `skip`;
+    `known` gives the digests of files already hashed while they were written (relative path → digest)."""
+    known = known or {}
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in skip)
     return {"algorithm": ALGORITHM,
-            "files": {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "digest": file_digest(p)}
+            "files": {(name := p.relative_to(directory).as_posix()): {"bytes": p.stat().st_size,
+                                                                      "digest": known.get(name) or file_digest(p)}
                       for p in files}}
 
 

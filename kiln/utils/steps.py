@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+from .memory import peak_memory_note
+
 TICK_AFTER_S = 2.0
 """A step shows its running time once it has run this long (shorter steps print only their two lines)."""
 TICK_LOG_S = 30.0
@@ -14,8 +16,9 @@ TICK_LOG_S = 30.0
 
 
 class StepLog:
-    """Announce numbered steps on stderr: `[2/4] Fuse weights ... 0.41 s`; a step still running after TICK_AFTER_S
-    shows how long it has run."""
+    """Announce numbered steps on stderr: `[2/4] Fuse weights ... done in 0.41 s (peak memory: host 1.20 GiB, GPU
+    4.50 GiB)`, the process's peaks so far (a step that raised one shows it); a step still running after
+    TICK_AFTER_S shows how long it has run."""
 
     def __init__(self, title: str, total: int, quiet: bool = False):
         self.title, self.total, self.quiet = title, total, quiet
@@ -34,7 +37,8 @@ class StepLog:
         t0 = time.perf_counter()
         with ticking(f"{label} running", self.quiet):
             yield
-        self.say(f"{label} done in {time.perf_counter() - t0:.2f} s")
+        memory = peak_memory_note()
+        self.say(f"{label} done in {time.perf_counter() - t0:.2f} s" + (f" ({memory})" if memory else ""))
 
     def done(self) -> float:
         elapsed = time.perf_counter() - self.start
