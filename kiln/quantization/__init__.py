@@ -53,11 +53,10 @@ def quantized_weights(model: PretrainedModel, quant_config: QuantConfig, calib_s
                          "learned_rounding_steps=0")
     config = dataclasses.replace(model.config, quantization=quant_config)     # validates (e.g. MoE)
     device = torch.device(device) if device is not None else weights_device(model.weights)
-    sequences = calibration_tokens(model, calib_size)
     sequential = quant_config.quant_algo in SEQUENTIAL_ALGOS and not round_to_nearest
-    stats = None
-    if quant_config.needs_calibration and (quant_config.static_activations or not sequential):
-        stats = calibrate(model, sequences, quiet, device)
+    calibrated = quant_config.needs_calibration and (quant_config.static_activations or not sequential)
+    sequences = calibration_tokens(model, calib_size) if calibrated or sequential else None
+    stats = calibrate(model, sequences, quiet, device) if calibrated else None
     layers = quantize_layers(model, quant_config, sequences, quiet, device) if sequential else None
     shapes = checkpoint_shapes(config)
     dtypes = tensor_dtypes(config, shapes)
