@@ -1,18 +1,21 @@
-"""One GPU, one run: Kiln's GPU tests, then the Llama-3.1-8B-shaped measurements of docs/performance.md (random
-weights of the real shape, built on the GPU). Each result prints as it comes; all of them go to $OUT/suite.json
+"""One GPU, one run: Kiln's GPU tests, then the measurements of docs/performance.md on a model shape (--model:
+llama-3.1-8b by default, mixtral-8x7b, llama-3.1-70b; random weights of the real shape, made on the GPU a layer at
+a time). Each result prints as it comes; all of them go to $OUT/suite.json
 (OUT defaults to /tmp).
 
-    python benchmarks/gpu_suite.py --phases checks,latency,throughput,load,quant [--quick] [--profile]
+    python benchmarks/gpu_suite.py --phases checks,latency,throughput,load,quant [--model M] [--quick] [--profile]
 
 Needs Kiln installed (`pip install -e .`, as the README says) and a CUDA GPU. Phases (every run starts with the
 GPU, torch and Triton versions and the measured copy and GEMM rates):
   checks      pytest -m gpu over --test_paths (the Triton kernels against the torch reference, graphs against
               eager steps, quantized models against the CPU path)
-  latency     bf16 batch-1 decode (128 prompt tokens, 128 new): tok/s, time to first token, % of the limit
+  latency     bf16 batch-1 decode (128 prompt tokens, 128 new): tok/s, time to first token, % of the limit (of an
+              MoE, the active weights: the experts a token is routed to)
   throughput  bf16 output tok/s at 128/128 over --requests requests, overlapped steps; with 2048/128, 128/2048
               and 2048/2048 too unless --quick
   load        build an engine, compile its kernels into it, save it; then a fresh process loads it and produces
-              a first token (twice), reporting the kernels compiled at load (0: the engine carried them all)
+              a first token (twice: first with the engine's files dropped from the page cache, then warm),
+              reporting the kernels compiled at load (0: the engine carried them all)
   quant       batch-1 decode per mode of --latency_modes (bf16, W4A16_AWQ, W8A16, ...; +lm_head quantizes the LM
               head too), then FP8 128/128 throughput (FP8 weights and KV cache, FP8 LM head) unless --quick
 --profile writes torch profiler tables of the latency phase's decode steps to $OUT.
@@ -35,7 +38,6 @@ from kiln import LLM, SamplingConfig
 from kiln import benchmark as bench
 from kiln.config import BuildConfig, QuantConfig, excluded_modules
 
-MODEL = "llama-3.1-8b"
 RESULTS: dict = {}
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -68,7 +70,7 @@ def env(args):
     log("gpu", torch.cuda.get_device_name(0))
     log("torch", torch.__version__)
     log("triton", triton.__version__)
-    hw = bench.Hardware.measure(torch.device("cuda"))
+    hw = args.hw = bench.Hardware.measure(torch.device("cuda"))        # once: the limits of every phase
     log("copy_TBps", round(hw.copy_bytes_per_s / 1e12, 2))
     log("gemm_TFLOPs", round(hw.gemm_flops / 1e12, 1))
 
@@ -88,34 +90,38 @@ def checks(args):
     log("gpu_tests_rc", rc)
 
 
-def _engine(mode: str, input_len: int, output_len: int, max_batch: int, quant: QuantConfig | None = None):
+def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_batch: int,
+               quant: QuantConfig | None = None, **kwargs) -> LLM:
+    """A random engine of args.model's shape, loaded: its weights made on the GPU a layer at a time, kernels
+    compiled, graphs captured. Logs the seconds from nothing to the ready LLM."""
     start = time.time()
-    engine = bench.random_engine(MODEL, "bfloat16", bench.default_bench_build(mode, input_len, output_len, max_batch),
-                                 quant_config=quant)
-    log(f"{mode}_{input_len}_{output_len}_build_s", round(time.time() - start, 1))
-    return engine
+    engine = bench.random_engine(args.model, "bfloat16",
+                                 bench.default_bench_build(mode, input_len, output_len, max_batch), quant_config=quant)
+    llm = LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True, **kwargs)
+    log(f"{key}_engine_ready_s", round(time.time() - start, 1))
+    return llm
 
 
-def _decode(llm, prompts: int, new_tokens: int, dtype: str):
+def _decode(llm, model: str, prompts: int, new_tokens: int, dtype: str):
     """Batch-1 decode over `prompts` prompts of 128 tokens, one at a time, the first a warm-up."""
     outputs, elapsed = [], 0.0
-    for i, prompt in enumerate(bench.random_prompts(prompts, 128, 128000)):
+    for i, prompt in enumerate(bench.random_prompts(prompts, 128, llm.engine.pretrained_config.vocab_size)):
         out, seconds = bench.run_requests(llm, [prompt], new_tokens)
         if i:
             outputs += out
             elapsed += seconds
-    return bench.summarize("latency", MODEL, dtype, outputs, elapsed, 128, new_tokens)
+    return bench.summarize("latency", model, dtype, outputs, elapsed, 128, new_tokens)
 
 
 @phase
 def latency(args):
-    engine = _engine("latency", 128, 128, 1)
-    with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-        result = _decode(llm, 4, 128, "bfloat16")
-        bench.decode_limit_pct(result, engine, bench.Hardware.measure(torch.device("cuda")))
+    with _ready_llm(args, "latency", "latency", 128, 128, 1) as llm:
+        result = _decode(llm, args.model, 4, 128, "bfloat16")
+        bench.decode_limit_pct(result, llm.engine, args.hw)
         log("latency_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
         log("latency_bs1_ttft_ms", round(result.ttft_ms["p50"], 1))
         log("latency_pct_of_roofline", round(result.hardware_limit_pct or 0, 1))
+        log("latency_limit", result.limit_note)
         if args.profile:
             _profile_decode(llm, "latency")
 
@@ -132,16 +138,18 @@ def _profile_decode(llm, name: str) -> None:
     print(table[:6000])
 
 
-def _throughput(key: str, engine, input_len: int, output_len: int, num: int, max_batch: int) -> None:
+def _throughput(args, key: str, input_len: int, output_len: int, num: int, max_batch: int,
+                quant: QuantConfig | None = None) -> None:
     """Output tok/s (and latencies, steps, memory) of `num` requests submitted at once, overlapped steps."""
-    vocab = engine.pretrained_config.vocab_size
-    with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True,
-             enable_trt_overlap=True) as llm:
+    with _ready_llm(args, key, "throughput", input_len, output_len, max_batch, quant, enable_trt_overlap=True) as llm:
+        vocab = llm.engine.pretrained_config.vocab_size
         bench.warm_up(llm, input_len, output_len, vocab, max_batch, num)
         torch.cuda.synchronize()
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(num, input_len, vocab), output_len)
-        result = bench.summarize("throughput", MODEL, "bfloat16", outputs, elapsed, input_len, output_len)
+        result = bench.summarize("throughput", args.model, "bfloat16", outputs, elapsed, input_len, output_len)
+        bench.throughput_limit_pct(result, llm.engine, args.hw)
         log(f"{key}_out_tok_s", round(result.output_tok_s, 1))
+        log(f"{key}_pct_of_gemm_limit", round(result.hardware_limit_pct or 0, 1))
         log(f"{key}_ttft_p50_ms", round(result.ttft_ms.get("p50", 0), 1))
         log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
         log(f"{key}_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
@@ -154,16 +162,21 @@ def throughput(args):
     if not args.quick:
         shapes += [(2048, 128, 512), (128, 2048, 512), (2048, 2048, 256)]
     for input_len, output_len, num in shapes:
-        engine = _engine("throughput", input_len, output_len, args.max_batch)
-        _throughput(f"throughput_{input_len}_{output_len}_b{args.max_batch}", engine, input_len, output_len, num,
+        _throughput(args, f"throughput_{input_len}_{output_len}_b{args.max_batch}", input_len, output_len, num,
                     args.max_batch)
-        del engine
         gc.collect()
         torch.cuda.empty_cache()
 
 
 LOAD_CHILD = """
-import json, sys, time
+import json, os, sys, time
+if sys.argv[2] == "cold":                     # the engine's files out of the page cache: a first read from disk
+    for name in os.listdir(sys.argv[1]):
+        path = os.path.join(sys.argv[1], name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
 start = time.time()
 from kiln import LLM, SamplingConfig
 llm = LLM(sys.argv[1], device="cuda", quiet=True)
@@ -182,20 +195,21 @@ def load(args):
     workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-")         # a 16 GB engine: not under $OUT
     path = os.path.join(workdir.name, "engine")
     start = time.time()
-    engine = bench.random_engine(MODEL, "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
+    engine = bench.random_engine(args.model, "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
                                                                 max_seq_len=4096))
     built = time.time()
     count = compile_kernels(engine)
     compiled = time.time()
     engine.save(path)
-    log("load_build_random_8b_s", round(built - start, 1))
+    log("load_build_random_s", round(built - start, 1))
     log("load_compile_kernels_s", round(compiled - built, 1))
     log("load_kernels_in_engine", count)
     log("load_save_s", round(time.time() - compiled, 1))
     del engine
     torch.cuda.empty_cache()
-    for attempt in ("first", "second"):
-        proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, path], capture_output=True, text=True, timeout=300)
+    for attempt in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, path, attempt], capture_output=True, text=True,
+                              timeout=300)
         log(f"load_{attempt}_process", (proc.stdout.strip().splitlines() or [proc.stderr[-1500:]])[-1])
     workdir.cleanup()
 
@@ -212,17 +226,17 @@ def mode_quant(mode: str) -> QuantConfig:
 @phase
 def quant(args):
     for mode in args.latency_modes.split(","):
-        engine = _engine("latency", 128, 128, 1, mode_quant(mode))
-        with LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True) as llm:
-            result = _decode(llm, 3, 128, mode)
+        with _ready_llm(args, f"quant_{mode}", "latency", 128, 128, 1, mode_quant(mode)) as llm:
+            result = _decode(llm, args.model, 3, 128, mode)
+            bench.decode_limit_pct(result, llm.engine, args.hw)
         log(f"quant_{mode}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
-        del engine
+        log(f"quant_{mode}_pct_of_limit", f"{result.hardware_limit_pct or 0:.1f}% of {result.limit_note}")
+        gc.collect()
         torch.cuda.empty_cache()
     if not args.quick:
         fp8 = mode_quant("FP8_PER_CHANNEL_PER_TOKEN+FP8+lm_head")
-        engine = _engine("throughput", 128, 128, args.max_batch, fp8)
-        _throughput(f"quant_FP8_throughput_128_128_b{args.max_batch}", engine, 128, 128, args.requests,
-                    args.max_batch)
+        _throughput(args, f"quant_FP8_throughput_128_128_b{args.max_batch}", 128, 128, args.requests, args.max_batch,
+                    fp8)
 
 
 PHASES = {"checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant}
@@ -231,6 +245,7 @@ PHASES = {"checks": checks, "latency": latency, "throughput": throughput, "load"
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default="checks,latency,throughput", help=f"comma-separated, of {', '.join(PHASES)}")
+    p.add_argument("--model", default="llama-3.1-8b", choices=list(bench.SHAPES), help="the model shape")
     p.add_argument("--quick", action="store_true", help="throughput at 128/128 only; quant without FP8 throughput")
     p.add_argument("--profile", action="store_true", help="torch profiler tables of the latency phase")
     p.add_argument("--requests", type=int, default=2048, help="requests of the 128/128 throughput runs")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kiln.builder import Engine, build
+from kiln.checkpoint.lazy import meta_tensors
 from kiln.config import BuildConfig, KvCacheConfig, Mapping, PretrainedConfig
 from kiln.runtime.sampling import SamplingConfig
 
@@ -76,7 +77,7 @@ def random_engine(name: str, dtype: str, build_config: BuildConfig, device: str 
             raise ValueError("kiln bench: --quant_algo/--kv_cache_quant_algo with tp_size/pp_size > 1 is not "
                              "supported yet (quantize and shard a checkpoint with kiln convert, then --engine_dir)")
         config = dataclasses.replace(config, mapping=Mapping(world, rank, tp_size, pp_size))
-    model = LlamaForCausalLM.random(config, seed=rank, device=device)
+    model = LlamaForCausalLM.random(config, seed=rank, device=device, lazy=True)   # made a layer at a time
     if quant_config is not None and quant_config.enabled:
         from kiln.quantization import quantize_model
         model = quantize_model(model, quant_config, calib_size=4, quiet=quiet, round_to_nearest=True)
@@ -233,24 +234,38 @@ def summarize(mode: str, model: str, dtype: str, outputs, elapsed: float, input_
                        len(outputs) / elapsed, _percentiles(ttft), _percentiles(tpot), peak)
 
 
+def active_fraction(name: str, config: PretrainedConfig) -> float:
+    """The share of a weight one token reads: a routed expert's tensors are read for top_k of num_experts experts
+    (each token's own), every other tensor whole."""
+    if config.moe_num_experts and ".moe." in name and ".router." not in name:
+        return config.moe_top_k / config.moe_num_experts
+    return 1.0
+
+
 def decode_limit_pct(result: BenchResult, engine: Engine, hw: Hardware) -> None:
-    """Batch-1 decode against weight streaming: every step reads all weights once at the measured copy rate
-    (bytes read + written per second, the rate the targets are stated against)."""
-    weight_bytes = sum(t.numel() * t.element_size() for t in engine.weights[0].values())
+    """Batch-1 decode against weight streaming: every step reads its active weights once (all of a dense model's;
+    of an MoE, the top_k experts a token is routed to) at the measured copy rate (bytes read + written per second,
+    the rate the targets are stated against)."""
+    config = engine.pretrained_config
+    weight_bytes = sum(t.numel() * t.element_size() * active_fraction(name, config)
+                       for name, t in meta_tensors(engine.weights[0]).items())
     best_step_s = weight_bytes / hw.copy_bytes_per_s
     tpot = result.tpot_ms.get("p50")
     if tpot and hw.copy_bytes_per_s == hw.copy_bytes_per_s:       # NaN on the CPU: no limit to compare with
         result.hardware_limit_pct = 100 * best_step_s / (tpot / 1e3)
-        result.limit_note = (f"{1 / best_step_s:.0f} tok/s: weights {weight_bytes / 1e9:.1f} GB per step at the "
-                             f"{hw.copy_bytes_per_s / 1e12:.2f} TB/s measured copy rate")
+        active = " active" if config.moe_num_experts else ""
+        result.limit_note = (f"{1 / best_step_s:.0f} tok/s:{active} weights {weight_bytes / 1e9:.1f} GB per step at "
+                             f"the {hw.copy_bytes_per_s / 1e12:.2f} TB/s measured copy rate")
 
 
 def throughput_limit_pct(result: BenchResult, engine: Engine, hw: Hardware) -> None:
-    """Throughput against dense GEMM: 2 FLOPs per weight per token (prompt and output tokens)."""
+    """Throughput against dense GEMM: 2 FLOPs per active weight per token (prompt and output tokens; an MoE token
+    multiplies by its top_k experts only)."""
     if hw.gemm_flops != hw.gemm_flops:
         return
-    params = sum(t.numel() for name, t in engine.weights[0].items() if "embed_tokens" not in name or
-                 engine.pretrained_config.tie_word_embeddings)
+    config = engine.pretrained_config
+    params = sum(t.numel() * active_fraction(name, config) for name, t in meta_tensors(engine.weights[0]).items()
+                 if "embed_tokens" not in name or config.tie_word_embeddings)
     flops = 2 * params * result.num_requests * (result.input_len + result.output_len)
     result.hardware_limit_pct = 100 * (flops / hw.gemm_flops) / result.elapsed_s
     result.limit_note = f"{flops / 1e15:.2f} PFLOP at {hw.gemm_flops / 1e12:.0f} TFLOP/s measured GEMM"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln import Engine
+from kiln import BuildConfig, Engine
 from kiln.cli.main import build_main, main
 from kiln.models import LlamaForCausalLM
 
@@ -93,6 +93,32 @@ def test_bench_throughput_with_few_new_tokens_on_the_device_it_picks(capsys):
     if not torch.cuda.is_available():
         assert "no CUDA GPU is visible: running on the CPU in float32" in captured.err
         assert result["dtype"] == "float32"
+
+
+def test_bench_limits_count_the_routed_experts_only(monkeypatch):
+    """An MoE token reads and multiplies top_k of num_experts experts: the decode limit's bytes and the throughput
+    limit's FLOPs are the dense tensors' plus that share of the experts' (here top-2 of 8: a quarter)."""
+    from kiln import benchmark as bench
+    from kiln.config import QuantConfig
+
+    monkeypatch.setitem(bench.SHAPES, "tiny-moe", dict(bench.SHAPES["mixtral-8x7b"], vocab_size=256, hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    engine = bench.random_engine("tiny-moe", "float32", BuildConfig(max_input_len=8, max_seq_len=16), "cpu",
+                                 quant_config=QuantConfig("W8A16"))
+    sizes = {name: (t.numel(), t.numel() * t.element_size()) for name, t in engine.weights[0].items()}
+    expert = [n for n in sizes if ".moe." in n and "router" not in n]
+    assert len(expert) == 8 and all(engine.weights[0][n].shape[0] == 8 for n in expert)
+    dense_bytes = sum(b for n, (_, b) in sizes.items() if n not in expert)
+    active_bytes = dense_bytes + sum(sizes[n][1] for n in expert) / 4
+    active_params = sum(p for n, (p, _) in sizes.items() if n not in expert and "embed" not in n) + \
+        sum(sizes[n][0] for n in expert) / 4
+    hw = bench.Hardware("test", copy_bytes_per_s=1e9, gemm_flops=1e12)
+    result = bench.BenchResult("latency", "tiny-moe", "float32", 1, 8, 4, 2.0, 4, 2.0, 0.5, {}, {"p50": 1.0}, 0.0)
+    bench.decode_limit_pct(result, engine, hw)
+    assert result.hardware_limit_pct == pytest.approx(100 * active_bytes / 1e9 / 1e-3)
+    assert "active weights" in result.limit_note
+    bench.throughput_limit_pct(result, engine, hw)
+    assert result.hardware_limit_pct == pytest.approx(100 * 2 * active_params * 12 / 1e12 / 2.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that is not there")
