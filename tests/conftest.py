@@ -1,13 +1,17 @@
 """Shared fixtures: tiny random Hugging Face models (built from configs, no downloads) with a small byte-level
-tokenizer, and the transformers reference they are checked against."""
+tokenizer, and the transformers reference they are checked against. The one conftest.py of the suite: tests/<layer>/
+mirror kiln/<layer>/, and pytest finds this file from every one of them (`from conftest import ...`)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent          # the repository
+DATA = ROOT / "tests" / "data"
 
 
 def _interpreter_scalars_as_numpy_24_wants() -> None:
@@ -38,6 +42,25 @@ def gemv_products():
     from kiln.kernels.triton.quant_linear import QuantProducts
 
     return QuantProducts(TritonOptions(int4_mma="off", silu_in_gemv=(4, 8)))
+
+
+MARKER = [7, 7, 7, 7]          # the prompt whose sampling failing_sampler breaks
+
+
+@pytest.fixture
+def failing_sampler(monkeypatch):
+    """Sampling raises for the MARKER prompt only (tests/runtime/test_sampler_safety.py, and over HTTP
+    tests/server/test_server_hardening.py)."""
+    import kiln.runtime.sampler as sampler
+
+    original = sampler.suppress_stop_tokens
+
+    def failing(logits, request, seq):
+        if request.prompt_token_ids == MARKER:
+            raise ArithmeticError("injected sampling failure")
+        return original(logits, request, seq)
+
+    monkeypatch.setattr(sampler, "suppress_stop_tokens", failing)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -96,6 +119,17 @@ def save_tiny_model(name: str, path, seed: int = 0):
     return model
 
 
+def tiny_mixtral(dtype: str):
+    """The tiny Mixtral (seed 0) as a Kiln model in `dtype`, made in memory."""
+    import transformers as tf
+
+    from kiln.models import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(tiny_hf_configs()["mixtral"])
+    return LlamaForCausalLM.from_hugging_face(hf, dtype=dtype)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """name → (hf_dir, transformers model) for every tiny architecture."""
@@ -109,6 +143,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out - ref‖ / ‖ref‖ in float64, out finite and of ref's shape."""
+    out, ref = out.double(), ref.double()
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 @torch.no_grad()
@@ -150,5 +191,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)

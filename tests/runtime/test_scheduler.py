@@ -3,7 +3,7 @@
 A fake model picks each next token from the sequence so far, and a fake KV cache stores the token written
 at every slot, so every step also checks that each sequence's cached tokens are exactly its own (prefix reuse,
 forks with copy-on-write, preemption and recompute included). Run as a script, this file also proves that
-the scheduler stack imports no torch: `python tests/test_scheduler.py`.
+the scheduler stack imports no torch: `python tests/runtime/test_scheduler.py`.
 """
 from __future__ import annotations
 

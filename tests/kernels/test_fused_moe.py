@@ -1,19 +1,18 @@
-"""Mixture-of-experts layers: quantized experts end to end on the CPU (convert → checkpoint → build → generate, against
-the float model their dequantized weights make, TP=2 against TP=1), and the GPU's fused MoE kernels
-(kernels/triton/fused_moe.py) under Triton's interpreter against a float64 reference — in a process of their own, since
-TRITON_INTERPRET must be set before Triton is imported (tests/test_gpu_moe.py runs them compiled)."""
+"""The MoE layer's kernels: the reference (kernels/reference.moe) on quantized experts, and the GPU's fused MoE
+(kernels/triton/fused_moe.py) against a float64 oracle — under Triton's interpreter on the CPU (in a process of their
+own, since TRITON_INTERPRET must be set before Triton is imported: test_interpreted_*_in_a_process_of_*) and compiled
+on the GPU (`pytest -m gpu`, skipped without one): every expert format for 1 to 4096 tokens of 8 experts, top-2,
+balanced and unbalanced routing, float16, and replays in a CUDA graph."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln import LLM, BuildConfig, SamplingConfig, build
-from kiln.config import Mapping, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig
-from kiln.convert import convert
+from conftest import rel_err
+from kiln.config import QuantConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant, reference
 from kiln.models import LlamaForCausalLM
 
@@ -21,9 +20,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in its own process with TRITON_INTERPRET=1")
 EXPERT_MODES = ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN"]
 WEIGHT_ONLY = [m for m in EXPERT_MODES if not m.startswith("FP8")]
+CUDA = torch.device("cuda")
+H, INTER = 256, 384                      # 384 inputs of down: three groups of 128, a last step of 64 at 128 a step
 
 
-# --- helpers shared with tests/test_gpu_moe.py ------------------------------------------------------------------
 def stacked_experts(algo: str | None, w: torch.Tensor, group: int = 32, input_scale: float | None = None):
     """w (E, out, in) as `algo` stores experts (each expert's format tensors stacked), or w itself for None."""
     if algo is None:
@@ -66,12 +66,6 @@ def _oracle_product(x: torch.Tensor, w, expert: int, algo: str | None) -> torch.
     return (qx.double() @ matrix.T) * sx.double()
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
 # --- the reference with quantized experts --------------------------------------------------------------------
 @pytest.mark.parametrize("algo", EXPERT_MODES)
 def test_reference_moe_on_quantized_experts(algo):
@@ -92,69 +86,6 @@ def test_reference_moe_on_quantized_experts(algo):
         assert torch.allclose(out, reference.moe(x, router, *deq, 2, True), atol=1e-6)
 
 
-# --- quantized Mixtral end to end ------------------------------------------------------------------------------
-def _dequantized(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """The float model whose weights are the matrices `model`'s quantized tensors stand for (experts stacked)."""
-    algo, weights = model.config.quantization.quant_algo, dict(model.weights)
-    for name in [n for n in weights if n.endswith(".weight_scale")]:
-        base = name.removesuffix(".weight_scale")
-        params = {key: weights.pop(f"{base}.{key}") for key in ("weight", "weight_scale", "weight_zero", "input_scale")
-                  if f"{base}.{key}" in weights}
-        if ".moe." in base:
-            experts = params["weight"].shape[0]
-            weights[base] = torch.stack([quant.dequantize_weight(algo, reference.expert_params(params, e))
-                                         for e in range(experts)])
-        else:
-            weights[base + ".weight"] = quant.dequantize_weight(algo, params)
-    config = dataclasses.replace(model.config, quantization=QuantConfig())
-    return LlamaForCausalLM(config, weights, model.tokenizer_files, source="dequantized")
-
-
-BUILD = BuildConfig(max_batch_size=2, max_input_len=64, max_seq_len=128, gather_context_logits=True)
-# the CPU on the exact reference products (CpuOps computes int8/int4 layers in bf16)
-REFERENCE_BUILD = dataclasses.replace(BUILD, plugin_config=PluginConfig(cpu_kernels="reference"))
-PROMPTS = [list(range(5, 45)), list(range(100, 109))]
-
-
-def _generate(model, parallel: ParallelConfig | None = None, build_config: BuildConfig = REFERENCE_BUILD):
-    with LLM(model, build_config=build_config, quiet=True, parallel_config=parallel) as llm:
-        return llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
-
-
-@pytest.mark.parametrize("algo", EXPERT_MODES)
-def test_quantized_mixtral_round_trip(tiny_models, tmp_path, algo):
-    """Every expert mode through convert → checkpoint → build → generate: the checkpoint's tensors come back
-    exactly, logits stay within the mode's tolerance of transformers' float model, and weight-only modes give the
-    greedy tokens (and logits) of the float model made of their dequantized weights."""
-    hf_dir, hf_model = tiny_models["mixtral"]
-    model = convert(hf_dir, quant_config=QuantConfig(algo, group_size=32), calib_size=2, quiet=True)
-    assert model.weights["layers.0.moe.gate_proj.weight"].shape[:2] == (4, 128)
-    model.save_checkpoint(tmp_path / "ckpt")
-    reloaded = LlamaForCausalLM.from_checkpoint(tmp_path / "ckpt")
-    for name, tensor in model.weights.items():
-        assert torch.equal(reloaded.weights[name], tensor), name
-    build(reloaded, REFERENCE_BUILD, quiet=True).save(tmp_path / "engine")
-    with LLM(tmp_path / "engine", quiet=True) as llm:
-        outputs = llm.generate(PROMPTS, SamplingConfig(max_new_tokens=8, end_id=-1))
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([PROMPTS[0]])).logits[0]
-    assert rel_err(outputs[0].context_logits, ref) < (0.35 if algo.startswith("W4A16") else 0.1)
-    if algo in WEIGHT_ONLY:
-        for out, deq in zip(outputs, _generate(_dequantized(model))):
-            assert out.token_ids == deq.token_ids
-            assert rel_err(out.context_logits, deq.context_logits) < 1e-5
-
-
-def test_moe_quantization_refusals(tiny_models):
-    hf_dir, _ = tiny_models["mixtral"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
-    with pytest.raises(ValueError, match="MoE experts take W8A16, W4A16\\*, FP8\\* .* not W8A8_SQ_PER_CHANNEL"):
-        dataclasses.replace(model.config, quantization=QuantConfig("W8A8_SQ_PER_CHANNEL"))
-    with pytest.raises(ValueError, match="learned_rounding_steps is not supported for MoE models"):
-        dataclasses.replace(model.config, quantization=QuantConfig("W4A16_AWQ", learned_rounding_steps=2))
-    excluded = QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", exclude_modules=["lm_head", "gate_up_proj", "down_proj"])
-    assert isinstance(dataclasses.replace(model.config, quantization=excluded), PretrainedConfig)
-
 
 def test_fused_moe_refuses_other_formats():
     pytest.importorskip("triton")
@@ -163,68 +94,6 @@ def test_fused_moe_refuses_other_formats():
     with pytest.raises(ValueError, match="MoE experts run float, W8A16, W4A16\\* or FP8\\* weights"):
         expert_weights({"weight": torch.zeros(2, 4, 8), "weight_scale": torch.ones(2, 4)}, "W8A8_SQ_PER_CHANNEL")
 
-
-def _quantized_mixtral(tiny_models, algo: str, tp_mode: int) -> LlamaForCausalLM:
-    """The tiny Mixtral's weights rounded to nearest in `algo` (groups of 32), its experts split by `tp_mode`."""
-    from kiln.quantization import quantize_model
-
-    hf_dir, _ = tiny_models["mixtral"]
-    model = LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True)
-    model = LlamaForCausalLM(dataclasses.replace(model.config, moe_tp_mode=tp_mode), model.weights,
-                             model.tokenizer_files)
-    return quantize_model(model, QuantConfig(algo, group_size=32), calib_size=2, quiet=True, round_to_nearest=True)
-
-
-@pytest.mark.parametrize("tp_mode", [0, 1])
-def test_quantized_experts_shard_by_expert_or_by_slice(tiny_models, tp_mode):
-    """Two ranks' shards of W4A16_AWQ experts put back together are the whole: experts split between ranks (mode
-    0), or gate/up rows and down's packed input columns with their groups' scales and zeros (mode 1)."""
-    model = _quantized_mixtral(tiny_models, "W4A16_AWQ", tp_mode)
-    shards = [model.shard(Mapping(2, r, 2, 1)).weights for r in range(2)]
-    for name, tensor in model.weights.items():
-        if ".moe." in name and "router" not in name:
-            dim = 0 if tp_mode == 0 else 2 if "down_proj" in name else 1
-            assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), tensor), name
-
-
-def test_kiln_convert_quantizes_and_shards_experts(tiny_models, tmp_path):
-    """`kiln convert` with int4 AWQ flags, two ranks, experts split by slice: each rank's checkpoint holds half of
-    every expert's gate/up rows and of down's packed inputs and group scales."""
-    from kiln.cli.main import main
-
-    hf_dir, _ = tiny_models["mixtral"]
-    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "c"), "--use_weight_only",
-                 "--weight_only_precision", "int4_awq", "--per_group", "--group_size", "32", "--calib_size", "2",
-                 "--tp_size", "2", "--moe_tp_mode", "1"]) == 0
-    rank1 = LlamaForCausalLM.from_checkpoint(tmp_path / "c", rank=1)
-    assert rank1.config.quantization.quant_algo == "W4A16_AWQ" and rank1.config.moe_tp_mode == 1
-    shapes = {name: tuple(t.shape) for name, t in rank1.weights.items() if name.startswith("layers.0.moe.")}
-    assert shapes["layers.0.moe.gate_proj.weight"] == (4, 64, 32)          # 128 rows / 2 ranks, 64 inputs / 2
-    assert shapes["layers.0.moe.down_proj.weight"] == (4, 64, 32)          # 128 inputs / 2 ranks, two to a byte
-    assert shapes["layers.0.moe.down_proj.weight_scale"] == (4, 64, 2)     # 4 groups of 32 / 2 ranks
-
-
-def test_quantized_experts_on_the_cpus_own_kernels(tiny_models):
-    """CpuOps (the CPU's default: int4 attention layers in bf16) runs quantized experts through the reference loop;
-    its logits stay near the exact reference products'."""
-    model = _quantized_mixtral(tiny_models, "W4A16_AWQ", 0)
-    fast = _generate(model, build_config=BUILD)
-    for out, ref in zip(fast, _generate(model)):
-        assert rel_err(out.context_logits, ref.context_logits) < 2e-2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", ["W4A16_AWQ", "FP8"])
-@pytest.mark.parametrize("tp_mode", [0, 1])
-def test_quantized_experts_tp2_equal_tp1(tiny_models, algo, tp_mode):
-    """Quantized experts on two ranks (gloo): expert parallel or tensor parallel gives TP=1's greedy tokens and
-    logits (float32 reference products on both). FP8 activations now and then round the float32 difference that the
-    ranks' summation order makes into another e4m3 level (a 40-token prompt: 8e-3 with qkv, o and the experts in
-    FP8, 2e-7 with any two of them)."""
-    model = _quantized_mixtral(tiny_models, algo, tp_mode)
-    for out, ref in zip(_generate(model, ParallelConfig(tp_size=2)), _generate(model)):
-        assert out.token_ids == ref.token_ids
-        assert rel_err(out.context_logits, ref.context_logits) < (2e-2 if algo.startswith("FP8") else 1e-5)
 
 
 # --- the fused kernels under the interpreter ---------------------------------------------------------------------
@@ -428,3 +297,56 @@ def test_interpreted_fused_moe_in_a_model_gives_the_reference_tokens(tiny_models
                                round_to_nearest=algo != "FP8")
     prompts = [list(range(20, 39)), list(range(60, 64))]
     assert greedy_tokens(model, FusedMoeOps(), prompts, 4) == greedy_tokens(model, ReferenceOps(), prompts, 4)
+
+
+# --- compiled on the GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, statics", KERNEL_FORMATS)
+def test_fused_moe_matches_float64(algo, statics):
+    """bfloat16 over token counts that pick every block size (kernels/triton/tuning.MOE_CONFIGS) for float experts and
+    the decode and prefill sizes for the others; 'one': every token to experts 0 and 1, the six others empty."""
+    from kiln.kernels.triton.fused_moe import fused_moe
+
+    counts = (1, 2, 3, 16, 33, 100, 256, 777, 4096) if algo is None else (1, 33, 777, 4096)
+    for t in counts:
+        for routing in ("random", "one"):
+            x, router, gate_up, down = moe_case(algo, statics, t, 8, H, INTER, torch.bfloat16, routing, CUDA, seed=t)
+            out = fused_moe(x, router, gate_up, down, 2, True, 0, algo)
+            error = rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo))
+            assert out.shape == x.shape and error < TOLERANCE[torch.bfloat16], (t, routing, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", [None, "W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_fused_moe_in_float16(algo):
+    """(float32 runs in the tiny Mixtral below.) e4m3 dots accumulate as the tensor cores do by default (fast
+    accumulation: 2.8e-3 from float64 at one token, against 2e-4 for the other formats)."""
+    from kiln.kernels.triton.fused_moe import fused_moe
+
+    tolerance = 1e-2 if algo and algo.startswith("FP8") else TOLERANCE[torch.float16]
+    for t in (1, 300):
+        x, router, gate_up, down = moe_case(algo, None, t, 8, H, INTER, torch.float16, device=CUDA, seed=t)
+        out = fused_moe(x, router, gate_up, down, 2, True, 0, algo)
+        assert rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo)) < tolerance, t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, statics", [(None, None), ("W4A16_GPTQ", None), *KERNEL_FORMATS[-2:]])
+def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
+    """Captured once, replayed on new inputs that route differently: the eager result each time (no host sync,
+    no shape that depends on the routing)."""
+    from kiln.kernels.triton.fused_moe import fused_moe
+
+    for t in (1, 24):
+        x, router, gate_up, down = moe_case(algo, statics, t, 8, H, INTER, torch.bfloat16, device=CUDA, seed=t)
+        static_x = x.clone()
+        fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)         # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)
+        for seed in (1, 2, 3):
+            fresh = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
+            static_x.copy_(fresh.to(x.dtype))
+            graph.replay()
+            assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)), (t, seed)
+

@@ -12,11 +12,10 @@ import torch
 import kiln.runtime.executor as executor
 import kiln.runtime.kv_cache as kv_cache
 import kiln.runtime.sampler as sampler
-from conftest import save_tiny_model
+from conftest import MARKER, save_tiny_model
 from kiln import LLM, BuildConfig, SamplingConfig
 from kiln.runtime.request import Sequence
 
-MARKER = [7, 7, 7, 7]
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
           "length_penalty"]
 
@@ -99,19 +98,6 @@ def _check_engine_goes_on(llm, others, sampling: SamplingConfig):
     assert all(len(o.outputs[0].token_ids) == sampling.max_new_tokens for o in others)
     assert llm.healthy() and llm.stats()["kv_blocks_used"] == 0
     assert llm.generate([9, 8], sampling).outputs[0].finish_reason == "length"
-
-
-@pytest.fixture
-def failing_sampler(monkeypatch):
-    """Sampling raises for the MARKER prompt only."""
-    original = sampler.suppress_stop_tokens
-
-    def failing(logits, request, seq):
-        if request.prompt_token_ids == MARKER:
-            raise ArithmeticError("injected sampling failure")
-        return original(logits, request, seq)
-
-    monkeypatch.setattr(sampler, "suppress_stop_tokens", failing)
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import DATA
 from kiln.checkpoint.hf import read_hf_config
 from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraConfig, Mapping,
                          ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig, field_docs,
@@ -24,7 +25,7 @@ def test_every_field_has_a_docstring(cls):
 
 
 def test_seed_yaml_is_understood_whole():
-    spec = load_build_file("tests/data/seed_build.yaml")
+    spec = load_build_file(DATA / "seed_build.yaml")
     assert spec.checkpoint.rms_norm_eps == 1e-6 and spec.checkpoint.n_layer == 32
     assert spec.build.max_seq_len == 512 and spec.build.plugin_config.tokens_per_block == 32
     assert spec.model.dtype == "float16"

@@ -5,11 +5,11 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import DATA, ROOT
 from kiln import BuildConfig, Engine
 from kiln.cli.main import build_main, main
 from kiln.models import LlamaForCausalLM
@@ -188,7 +188,7 @@ def test_kiln_build_suggests_too(capsys):
 def test_the_documented_build_file_builds_a_tiny_model(tiny_models, tmp_path):
     """docs/build.yaml as written, with its model and output paths pointed at a tiny model and a temporary
     directory: kiln build --config accepts it and the engine has its settings."""
-    text = (Path(__file__).parent.parent / "docs" / "build.yaml").read_text()
+    text = (ROOT / "docs" / "build.yaml").read_text()
     text, found = re.subn(r"(?m)^(  model_dir:) \S+", rf"\1 {tiny_models['llama'][0]}", text)
     text, found_out = re.subn(r"(?m)^(  output_dir:) \S+", rf"\1 {tmp_path / 'engine'}", text)
     assert found == found_out == 1
@@ -204,7 +204,7 @@ def test_the_documented_build_file_builds_a_tiny_model(tiny_models, tmp_path):
 def test_eval_ppl_shows_its_progress(ckpt, tmp_path, capsys):
     assert main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e")]) == 0
     capsys.readouterr()
-    text = Path(__file__).parent / "data" / "eval.txt"
+    text = DATA / "eval.txt"
     assert main(["eval", "ppl", "--engine_dir", str(tmp_path / "e"), "--text", str(text), "--window", "64"]) == 0
     from kiln.tokenizer import load_tokenizer
 

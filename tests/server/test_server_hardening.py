@@ -20,7 +20,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from kiln import LLM, BuildConfig, SamplingConfig  # noqa: E402
-from test_sampler_safety import MARKER, failing_sampler  # noqa: E402,F401 - a fixture
+from conftest import MARKER  # noqa: E402
 from test_server import (BATCH, GOOD, KEY, LONG, MAX_INPUT, MAX_SEQ, MODEL, _free_port, metric,  # noqa: E402
                          post, run_server, wait_for_idle, wait_until_serving)
 from test_server import base, llm, long_prompts, tiny_dir  # noqa: E402,F401 - module fixtures: this module gets its own

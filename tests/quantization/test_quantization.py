@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DATA, ROOT
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.cli.main import main
 from kiln.config import ConvertConfig, QuantConfig
@@ -126,7 +127,7 @@ def test_perplexity_command(tiny_models, tmp_path, capsys):
     hf_dir, _ = tiny_models["llama"]
     build(LlamaForCausalLM.from_hugging_face(hf_dir, quiet=True), BuildConfig(max_input_len=128, max_seq_len=256),
           quiet=True).save(tmp_path / "e")
-    assert main(["eval", "ppl", "--engine_dir", str(tmp_path / "e"), "--text", "tests/data/eval.txt", "--window", "64"]) == 0
+    assert main(["eval", "ppl", "--engine_dir", str(tmp_path / "e"), "--text", str(DATA / "eval.txt"), "--window", "64"]) == 0
     line = capsys.readouterr().out
     ppl = float(line.split()[1])
     assert 1.0 < ppl < 2 * 320 and "over" in line                     # a random model: near uniform over 320 tokens
@@ -216,16 +217,15 @@ def test_import_prequantized_checkpoints(tiny_models, tmp_path, method):
 
 @pytest.mark.slow
 def test_gpu_kernels_under_the_interpreter():
-    """The Triton kernels for quantized layers (tests/test_quant_interpreted.py) on the CPU, in a fresh process:
+    """The Triton kernels for quantized layers (tests/kernels/test_quant_linear.py) on the CPU, in a fresh process:
     TRITON_INTERPRET must be set before Triton is first imported."""
     pytest.importorskip("triton")
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(Path(__file__).with_name("test_quant_interpreted.py"))],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+                           str(ROOT / "tests" / "kernels" / "test_quant_linear.py")],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 

@@ -1,6 +1,8 @@
-"""The GPU's kernels for quantized layers (and its greedy argmax) run by Triton's interpreter on the CPU, against the
-reference formats and products of kiln.kernels.quant (tests/test_gpu.py runs them compiled). test_quantization.py runs this file in its
-own process with TRITON_INTERPRET=1, which must be set before Triton is imported; collected otherwise, it skips."""
+"""The GPU's kernels for quantized layers (kernels/triton/quant_linear.py, gemv.py, weight_only.py) against the
+reference formats and products of kiln.kernels.quant: under Triton's interpreter on the CPU (test_interpreted_*, in a
+process of their own with TRITON_INTERPRET=1, which must be set before Triton is imported: tests/quantization/
+test_quantization.py starts it; collected otherwise, they skip), their layouts on the CPU, and compiled on the GPU
+(`pytest -m gpu`, skipped without one)."""
 from __future__ import annotations
 
 import os
@@ -8,14 +10,16 @@ import os
 import pytest
 import torch
 
+from conftest import rel_err
 from kiln.kernels import quant
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in its own process with TRITON_INTERPRET=1 (test_quantization.py)", allow_module_level=True)
-
+pytest.importorskip("triton")
 from kiln.kernels import TritonOptions  # noqa: E402
 from kiln.kernels.triton import argmax, decode_attention, gemv, norms  # noqa: E402
 from kiln.kernels.triton.quant_linear import FP16_ZERO_LIMIT, Interleaved, QuantProducts  # noqa: E402
+
+interpreted_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="runs in its own process with TRITON_INTERPRET=1 (test_quantization.py)")
 
 
 def _params(algo: str, w: torch.Tensor, group: int = 32) -> dict:
@@ -46,6 +50,7 @@ def test_interleaved_layout_is_a_permutation_within_blocks(gemv_products, algo):
     assert gemv_products.pack(algo, _params(algo, torch.randn(6, 40))) is None   # 40 columns: no whole blocks
 
 
+@interpreted_only
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
 @pytest.mark.parametrize("n, k, config", [(16, 256, (8, 32, True)), (20, 576, (8, 32, False)), (8, 2048, (4, 64, True))])
 def test_interpreted_gemv_matches_the_reference(gemv_products, algo, n, k, config):
@@ -63,6 +68,7 @@ def test_interpreted_gemv_matches_the_reference(gemv_products, algo, n, k, confi
         assert _rel(out, ref) < 1e-5, (rows, _rel(out, ref))
 
 
+@interpreted_only
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 @pytest.mark.parametrize("half", [False, True])
 def test_interpreted_tiled_matmul_reads_both_layouts(gemv_products, algo, half):
@@ -78,6 +84,7 @@ def test_interpreted_tiled_matmul_reads_both_layouts(gemv_products, algo, half):
         assert _rel(gemv_products.linear(x, algo, p, None), ref) < 1e-5, interleaved
 
 
+@interpreted_only
 def test_interpreted_fp8_activation_quantization():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 300, generator=g) * 3
@@ -91,6 +98,7 @@ def test_interpreted_fp8_activation_quantization():
         assert torch.all((q == ref_q) | ((torch.frexp(ref_q)[0].abs() == 0.5) & (q == ref_q / 2)))
 
 
+@interpreted_only
 def test_interpreted_norm_and_silu_with_fp8_output():
     """The RMSNorm (with and without the residual) and SiLU kernels' per-token e4m3 output: the same values and scales
     as the reference ops (quant.Fp8Rows.of the unfused output); the residual sum as the unfused kernel's."""
@@ -138,6 +146,7 @@ def test_gate_up_rows_are_paired_at_load(gemv_products, algo):
     assert not unpaired.pack(algo, params, gated=True)[0].paired_rows
 
 
+@interpreted_only
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_GPTQ", "W4A16_AWQ"])
 @pytest.mark.parametrize("inter, k, config", [(10, 576, (8, 32, False)), (24, 256, (4, 64, True)), (12, 1536, None)])
 def test_interpreted_gemv_writes_silu_of_paired_gate_up(gemv_products, algo, inter, k, config):
@@ -167,6 +176,7 @@ def test_interpreted_gemv_writes_silu_of_paired_gate_up(gemv_products, algo, int
         assert out.shape == (rows, inter) and _rel(out, ref) < 1e-5, (rows, _rel(out, ref))
 
 
+@interpreted_only
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
 def test_interpreted_fused_decode_gives_the_reference_tokens(gemv_products, tiny_models, algo, monkeypatch):
     """A tiny quantized Llama on the CPU with its weight-only layers on the GPU's layout and kernels (interpreted):
@@ -219,6 +229,7 @@ def _fp16_rounded(params: dict) -> dict:
             "weight_zero": params["weight_zero"].half().float()}
 
 
+@interpreted_only
 @pytest.mark.parametrize("k", [256, 576])
 def test_interpreted_half_scales(gemv_products, k):
     """int4 g128 with zero points in the GPU layout keeps scales and zero points as fp16 pairs (one int32 per
@@ -264,6 +275,7 @@ def test_half_scales_only_where_fp16_holds_them(gemv_products):
         assert not layout.half_scales and packed["weight_scale"].dtype == torch.float32, algo
 
 
+@interpreted_only
 def test_interpreted_argmax_rows_is_torchs():
     """The two-kernel argmax of greedy decoding equals torch.argmax: a vocabulary that is not a whole number of
     chunks, the maximum in the short last chunk, ties across and within chunks (the first wins), all -inf, NaN."""
@@ -278,6 +290,7 @@ def test_interpreted_argmax_rows_is_torchs():
         assert torch.equal(argmax.argmax_rows(rows.contiguous(), chunk=64), rows.argmax(dim=-1))
 
 
+@interpreted_only
 @pytest.mark.parametrize("group", [128, None])
 def test_interpreted_int4_fragment_dequantize(group):
     """The dequantize kernel of int4_mma's layout (products of more than 16 rows): the engine layout's float matrix
@@ -316,6 +329,7 @@ def _decode_case(seqs: list[int], heads: int, kv_heads: int, dim: int, block: in
     return qkv, positions, rope_cos_sin(1024, dim, 10000.0, None), cache, meta
 
 
+@interpreted_only
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 32), (4, 4, 16)])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("window", [None, 40])
@@ -342,3 +356,133 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
         assert torch.equal(out_cache, ref_cache)
     assert torch.equal(decode_attention._arrival_counters(qkv.device, 1)[:5 * kv_heads],
                        torch.zeros(5 * kv_heads, dtype=torch.int32))
+
+
+# --- compiled on the GPU (`pytest -m gpu`, skipped without one) ---------------------------------------------------
+CUDA = torch.device("cuda")
+
+
+def _quantized(algo: str, w: torch.Tensor, group: int = 128) -> dict:
+    from kiln.kernels import quant
+
+    if algo == "W8A16" or algo.startswith("W8A8"):
+        q, s = quant.quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    if algo.startswith("W4A16"):
+        packed, s, z = quant.quantize_int4(w, None if algo == "W4A16" else group, algo == "W4A16_AWQ")
+        return {"weight": packed, "weight_scale": s, **({"weight_zero": z} if z is not None else {})}
+    q, s = quant.quantize_fp8(w)
+    return {"weight": q, "weight_scale": s}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL_PER_TOKEN",
+                                  "FP8_PER_CHANNEL_PER_TOKEN"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+def test_quantized_matmul_kernels(algo, rows):
+    """quant_linear on the layout the engine loads (weight-only: interleaved, GEMV up to 4 rows, tiles above) and
+    on the engine layout itself; 576 columns: a short last group of 64."""
+    from kiln.kernels import quant
+    from kiln.kernels.triton.quant_linear import QuantProducts
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn((1536, 576), generator=g, device=CUDA)
+    x = torch.randn((rows, 576), generator=g, device=CUDA).bfloat16()
+    params = _quantized(algo, w)
+    ref = quant.quant_linear(x.float(), algo, params, None)
+    products = QuantProducts()
+    packed = products.pack(algo, params)
+    layouts = [params] + ([{**params, **packed[1], "layout": packed[0]}] if packed else [])
+    for p in layouts:
+        assert rel_err(products.linear(x, algo, p, None), ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ"])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 14336), (256, 576)])
+def test_weight_only_gemv(algo, n, k):
+    """The decode GEMV against the float64 product on the same quantized weights, for 1-4 rows and for every
+    configuration the engine picks or the suite sweeps; uneven row counts and blocks included. Outputs are poisoned
+    first (every element must be written)."""
+    from kiln.kernels import TritonOptions, quant
+    from kiln.kernels.triton import gemv, tuning
+    from kiln.kernels.triton.quant_linear import QuantProducts
+
+    products = QuantProducts(TritonOptions(int4_mma="off"))     # the CUDA-core GEMV's interleaved layout
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05,
+                        group=64 if algo == "W4A16_GPTQ" else 128)
+    bits = 8 if algo == "W8A16" else 4
+    weight = products.pack(algo, params)[1]["weight"]
+    dequant = quant.dequantize_weight(algo, params).double()
+    configs = {None} | (set(tuning.GEMV_SWEEP) if algo == "W4A16_AWQ" else set())
+    for rows in (1, 2, 3, 4):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        ref = x.double() @ dequant.t()
+        for config in configs:
+            if config is not None and rows > 1:
+                continue
+            torch.cuda.empty_cache()
+            out = gemv.weight_only_gemv(x, weight, params["weight_scale"], params.get("weight_zero"), bits, config)
+            assert rel_err(out, ref) < 5e-3, (rows, config, rel_err(out, ref))
+
+def _gpu_layout(products, algo: str, params: dict, gated: bool = False) -> dict:
+    layout, packed = products.pack(algo, params, gated)
+    return {**params, **packed, "layout": layout}
+
+
+def _gpu_stood_for(params: dict, gpu: dict) -> dict:
+    """float64 parameters of the grid that a GPU layout stands for (fp16-rounded where it keeps half scales)."""
+    rounded = {name: params[name].half() for name in ("weight_scale", "weight_zero")} if gpu["layout"].half_scales \
+        else {}
+    return {k: v.double() if v.is_floating_point() else v for k, v in {**params, **rounded}.items()}
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+def test_gate_up_gemv_writes_silu(algo, gemv_products):
+    """The 8B gate_up on paired rows: the GEMV's SiLU(gate)·up equals the unfused GEMV + silu_and_mul bit for bit
+    (1-4 rows) and the float64 reference; above 4 rows the tiled kernel + silu_and_mul reading the pairs."""
+    from kiln.kernels import ReferenceOps
+    from kiln.kernels.triton.norms import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    params = _quantized(algo, torch.randn((28672, 4096), generator=g, device=CUDA) * 0.05)
+    paired, plain = _gpu_layout(gemv_products, algo, params, gated=True), _gpu_layout(gemv_products, algo, params)
+    assert paired["layout"].paired_rows
+    for rows in (1, 2, 3, 4, 5, 64):
+        x = (torch.rand((rows, 4096), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        fused = gemv_products.linear_silu(x, algo, paired, None)
+        unfused = silu_and_mul(gemv_products.linear(x, algo, plain, None))
+        if rows <= 4:
+            assert torch.equal(fused, unfused), rows
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _gpu_stood_for(params, paired))
+        assert rel_err(fused, ref) < 1e-2 and rel_err(unfused, ref) < 1e-2, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1536, 576)])
+def test_half_scale_pairs(n, k, gemv_products):
+    """W4A16_AWQ g128 on fp16 (scale, zero point) pairs: half the bytes of the float32 grid; the GEMV (1-4 rows),
+    the tiled kernel (7, 64) and dequantize + cuBLAS (1024) against the float64 product of the fp16-rounded grid,
+    and the error added to the engine grid's product small beside int4's own. 576 columns: a short last group."""
+    from kiln.kernels import quant
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn((n, k), generator=g, device=CUDA) * 0.05
+    params = _quantized("W4A16_AWQ", w)
+    half = _gpu_layout(gemv_products, "W4A16_AWQ", params)
+    assert half["layout"].half_scales and "weight_zero" not in {k for k, v in half.items() if v is not None}
+    assert half["weight_scale"].nbytes * 2 == params["weight_scale"].nbytes + params["weight_zero"].nbytes
+    rounded = _gpu_stood_for(params, half)
+    exact = {**params, "weight_scale": params["weight_scale"].double(), "weight_zero": params["weight_zero"].double()}
+    for rows in (1, 2, 3, 4, 7, 64, 1024):
+        x = (torch.rand((rows, k), generator=g, device=CUDA) * 4 - 1).bfloat16()
+        out = gemv_products.linear(x, "W4A16_AWQ", {k: v for k, v in half.items() if v is not None}, None)
+        engine_grid = quant.quant_linear(x.double(), "W4A16_AWQ", exact, None)
+        int4 = rel_err(engine_grid, x.double() @ w.double().t())
+        assert rel_err(out, quant.quant_linear(x.double(), "W4A16_AWQ", rounded, None)) < 5e-3, rows
+        assert rel_err(out, engine_grid) < 0.1 * int4, (rows, rel_err(out, engine_grid), int4)
+

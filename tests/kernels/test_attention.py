@@ -1,0 +1,134 @@
+"""The attention kernels on the GPU (`pytest -m gpu`, skipped without one) against the torch reference on fresh random
+inputs: paged attention (prompts, chunks, decode steps, split-K partitions, sliding windows, 8-bit caches), the fused
+decode kernel (rope, cache write, attention and the merge in one) and the mma.sync decode kernel over 8-bit caches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+from kiln.kernels import AttentionMetadata, reference
+from kiln.kernels.rotary import rope_cos_sin
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
+    """Random cache with scattered blocks, and metadata for sequences of (cached, new) tokens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_needed = sum(-(-(c + n) // block) for c, n in seqs)
+    num_blocks = blocks_needed + 7
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g, device=CUDA).to(dtype)
+    order = torch.randperm(num_blocks, device="cpu").tolist()
+    tables, slots, starts = [], [], [0]
+    for cached, new in seqs:
+        table = [order.pop() for _ in range(-(-(cached + new) // block))]
+        tables.append(table)
+        slots += [table[i // block] * block + i % block for i in range(cached, cached + new)]
+        starts.append(starts[-1] + new)
+    width = max(map(len, tables))
+    t = lambda x: torch.tensor(x, device=CUDA)  # noqa: E731
+    meta = AttentionMetadata(t(slots), t(starts), t([c + n for c, n in seqs]),
+                             t([tb + [0] * (width - len(tb)) for tb in tables]), max(n for _, n in seqs),
+                             max(c + n for c, n in seqs), block)
+    q = torch.randn((starts[-1], heads, dim), generator=g, device=CUDA).to(dtype)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (16, 4), (32, 4)])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_paged_attention_kernel(dim, heads, kv_heads, block):
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    cases = {"decode": [(1, 1), (37, 1), (1000, 1), (8191, 1), (4099, 1)],
+             "prefill": [(0, 1), (0, 77), (0, 513), (300, 45), (33, 200)]}
+    for name, seqs in cases.items():
+        for window in (None, 100):
+            q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+            ref = reference.paged_attention(q.float(), cache.float(), meta, dim ** -0.5, window)
+            for parts in ((1, 4) if name == "decode" else (1,)):
+                part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
+                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+                assert rel_err(out, ref) < 1e-2, (name, window, parts)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (28, 4)])
+@pytest.mark.parametrize("block", [16, 64])
+def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
+    """decode_attention (rope + cache write + attention + merge in one kernel) against the three kernels it
+    replaces and the float reference, bf16, with and without split-K partitions and a sliding window; a padded
+    row (length 0, slot -1) writes nothing."""
+    from kiln.kernels.triton import decode_attention
+    from kiln.kernels.triton.paged_attention import paged_attention
+    from kiln.kernels.triton.rope_cache import rope_and_cache
+
+    seqs = [(0, 1), (37, 1), (1000, 1), (4099, 1), (255, 1)]
+    _, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    qkv = torch.randn((len(seqs) + 1, (heads + 2 * kv_heads) * dim), generator=g, device=CUDA).bfloat16()
+    positions = torch.cat([meta.seq_lens - 1, torch.zeros(1, dtype=torch.int64, device=CUDA)])
+    padded = lambda t, v: torch.cat([t, torch.full((1,) + t.shape[1:], v, dtype=t.dtype, device=CUDA)])  # noqa: E731
+    slots, lens, tables = padded(meta.slot_mapping, -1), padded(meta.seq_lens, 0), padded(meta.block_tables, 0)
+    table = rope_cos_sin(8192, dim, 500000.0, None).to(CUDA)
+    for window in (None, 100):
+        ref_cache = cache.clone()
+        q = rope_and_cache(qkv[:-1], positions[:-1], table, ref_cache, meta.slot_mapping, heads, kv_heads, dim)
+        ref = reference.paged_attention(q.float(), ref_cache.float(), meta, dim ** -0.5, window)
+        for parts in (1, 4, 33):
+            part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
+            unfused = paged_attention(q, ref_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
+                                      dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
+            out_cache = cache.clone()
+            out = decode_attention.decode_attention(qkv, positions, table, out_cache, slots, tables, lens, heads,
+                                                    kv_heads, dim, dim ** -0.5, window, num_parts=parts,
+                                                    part_tokens=part_tokens)
+            assert torch.equal(out_cache, ref_cache), (window, parts)
+            assert rel_err(out[:-1], ref) < 1e-2 and rel_err(out[:-1], unfused) < 1e-2, (window, parts)
+    assert not decode_attention._arrival_counters(CUDA, 1).any()
+
+
+@pytest.mark.parametrize("kv", ["INT8", "FP8"])
+@pytest.mark.parametrize("dim, heads, kv_heads", [(128, 32, 8), (128, 28, 4), (128, 8, 8), (64, 64, 8), (64, 9, 3)])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
+    """The mma.sync decode kernel over an 8-bit cache against the float reference and the Triton kernel: one query
+    token per sequence, windows, split-K partitions, and a padded row (no query token, as CUDA graphs add)."""
+    from kiln.kernels.triton import mma_decode_attention
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
+    assert mma_decode_attention.takes(dtype, dim, heads // kv_heads, block)
+    seqs = [(0, 1), (36, 1), (1000, 1), (4098, 1), (127, 1), (15, 1)]
+    q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
+    cache = (cache.float() * 20).clamp(-100, 100).to(dtype) if kv == "INT8" else (cache.float() * 50).to(dtype)
+    kv_scale = torch.tensor([0.05, 0.03], device=CUDA)
+    starts = torch.cat([meta.query_start_loc, meta.query_start_loc[-1:]])       # one more sequence, no token
+    seq_lens = torch.cat([meta.seq_lens, meta.seq_lens[:1]])
+    tables = torch.cat([meta.block_tables, meta.block_tables[:1]])
+    for window in (None, 100):
+        ref = reference.paged_attention(q.float(), cache, meta, dim ** -0.5, window, kv_scale)
+        for parts in (1, 3):
+            part_tokens = None if parts == 1 else -(-tables.shape[1] * block // parts)
+            outs = [paged_attention(q, cache, tables, seq_lens, starts, 1, dim ** -0.5, window, num_parts=parts,
+                                    part_tokens=part_tokens, kv_scale=kv_scale, mma=mma) for mma in (True, False)]
+            assert rel_err(outs[0], ref) < 1e-2, (window, parts)
+            assert rel_err(outs[0], outs[1]) < 1e-2, (window, parts)
+
+
+@pytest.mark.parametrize("kv", ["INT8", "FP8"])
+def test_quantized_kv_cache_kernels(kv):
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    dtype = torch.int8 if kv == "INT8" else torch.float8_e4m3fn
+    q, cache, meta = _paged_case([(300, 1), (0, 40), (33, 7)], 32, 8, 128, 32, torch.bfloat16, seed=5)
+    cache = cache.float().clamp(-100, 100).to(dtype) if kv == "INT8" else cache.float().to(dtype)
+    kv_scale = torch.tensor([0.02, 0.03], device=CUDA)
+    ref = reference.paged_attention(q.float(), cache, meta, 128 ** -0.5, None, kv_scale)
+    out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                          128 ** -0.5, None, kv_scale=kv_scale)
+    assert rel_err(out, ref) < 2e-2
+
