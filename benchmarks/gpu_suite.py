@@ -13,12 +13,13 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               MoE, the active weights: the experts a token is routed to)
   throughput  bf16 output tok/s at 128/128 over --requests requests, overlapped steps; with 2048/128, 128/2048
               and 2048/2048 too unless --quick
-  load        build an engine, compile its kernels into it, save it; then a fresh process loads it and produces
+  load        build an engine (--load_mode), compile its kernels into it, save it; then a fresh process loads it and produces
               a first token (twice: first with the engine's files dropped from the page cache, then warm),
               reporting the kernels compiled at load (0: the engine carried them all)
   quant       batch-1 decode per mode of --latency_modes (bf16, W4A16_AWQ, W8A16, ...; +lm_head quantizes the LM
               head too), then FP8 128/128 throughput (FP8 weights and KV cache, FP8 LM head) unless --quick
---profile writes torch profiler tables of the latency phase's decode steps to $OUT.
+--profile writes torch profiler tables to $OUT: the latency phase's decode steps, and after each throughput run
+a batch of --max_batch prompts generating 8 tokens.
 """
 from __future__ import annotations
 
@@ -123,19 +124,20 @@ def latency(args):
         log("latency_pct_of_roofline", round(result.hardware_limit_pct or 0, 1))
         log("latency_limit", result.limit_note)
         if args.profile:
-            _profile_decode(llm, "latency")
+            _profile_steps(llm, "latency", bench.random_prompts(1, 128, llm.engine.pretrained_config.vocab_size,
+                                                                 seed=5), 16)
 
 
-def _profile_decode(llm, name: str) -> None:
+def _profile_steps(llm, name: str, prompts: list[list[int]], new_tokens: int) -> None:
+    """A torch profiler table (CUDA time per kernel) of `prompts` generated together, written to $OUT."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompt = bench.random_prompts(1, 128, 128000, seed=5)[0]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompt, SamplingConfig(max_new_tokens=16, end_id=-1))
+        llm.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, end_id=-1))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     with open(os.path.join(OUT, f"profile_{name}.txt"), "w") as f:
         f.write(table)
-    print(table[:6000])
+    print(table[:3000])
 
 
 def _throughput(args, key: str, input_len: int, output_len: int, num: int, max_batch: int,
@@ -154,6 +156,8 @@ def _throughput(args, key: str, input_len: int, output_len: int, num: int, max_b
         log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
         log(f"{key}_steps_per_s", round(llm.stats()["steps"] / elapsed, 1))
         log(f"{key}_peak_mem_gib", round(result.peak_memory_gib, 1))
+        if args.profile:
+            _profile_steps(llm, key, bench.random_prompts(max_batch, input_len, vocab, seed=5), 8)
 
 
 @phase
@@ -192,11 +196,12 @@ llm.shutdown()
 def load(args):
     from kiln.runtime.precompile import compile_kernels
 
-    workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-")         # a 16 GB engine: not under $OUT
+    workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-", dir=args.work_dir)   # 16-70 GB: not under $OUT
     path = os.path.join(workdir.name, "engine")
     start = time.time()
     engine = bench.random_engine(args.model, "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
-                                                                max_seq_len=4096))
+                                                                     max_seq_len=4096),
+                                 quant_config=mode_quant(args.load_mode))
     built = time.time()
     count = compile_kernels(engine)
     compiled = time.time()
@@ -225,7 +230,7 @@ def mode_quant(mode: str) -> QuantConfig:
 
 @phase
 def quant(args):
-    for mode in args.latency_modes.split(","):
+    for mode in filter(None, args.latency_modes.split(",")):
         with _ready_llm(args, f"quant_{mode}", "latency", 128, 128, 1, mode_quant(mode)) as llm:
             result = _decode(llm, args.model, 3, 128, mode)
             bench.decode_limit_pct(result, llm.engine, args.hw)
@@ -247,10 +252,13 @@ def main():
     p.add_argument("--phases", default="checks,latency,throughput", help=f"comma-separated, of {', '.join(PHASES)}")
     p.add_argument("--model", default="llama-3.1-8b", choices=list(bench.SHAPES), help="the model shape")
     p.add_argument("--quick", action="store_true", help="throughput at 128/128 only; quant without FP8 throughput")
-    p.add_argument("--profile", action="store_true", help="torch profiler tables of the latency phase")
+    p.add_argument("--profile", action="store_true", help="torch profiler tables of latency and throughput runs")
     p.add_argument("--requests", type=int, default=2048, help="requests of the 128/128 throughput runs")
     p.add_argument("--max_batch", type=int, default=512, help="max_batch_size of the throughput engines")
-    p.add_argument("--latency_modes", default="bf16,W4A16_AWQ+lm_head,W8A16", help="modes of the quant phase")
+    p.add_argument("--latency_modes", default="bf16,W4A16_AWQ+lm_head,W8A16",
+                   help="batch-1 modes of the quant phase ('': none, FP8 throughput only)")
+    p.add_argument("--load_mode", default="bf16", help="the load phase's engine mode (as in --latency_modes)")
+    p.add_argument("--work_dir", default=None, help="where the load phase saves its engine (default: the temp dir)")
     p.add_argument("--test_paths", default="tests", help="comma-separated pytest paths of the checks phase")
     p.add_argument("--test_timeout", type=int, default=900, help="seconds the checks phase may take")
     args = p.parse_args()

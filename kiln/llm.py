@@ -373,7 +373,8 @@ class LLM:
             raise ValueError("decoding_mode=top_p does not accept top_k")
 
     def shutdown(self) -> None:
-        """Stop the engine loop (and the worker ranks); unfinished requests fail with a clear error."""
+        """Stop the engine loop (and the worker ranks) and free the device memory; unfinished requests fail with a
+        clear error."""
         self._stop(unfreeze=True)
 
     def _stop(self, unfreeze: bool) -> None:
@@ -383,6 +384,8 @@ class LLM:
             if unfreeze:                        # not from __del__: that may run inside a collection
                 gc.unfreeze()
                 gc.set_threshold(*self._gc_threshold)
+                if executor.finished:           # the engine thread is gone: nothing uses the device memory
+                    self.core.close()
         workers, parallel = getattr(self, "_workers", None), getattr(self, "_parallel", None)
         self._workers = self._parallel = None
         if parallel is not None and (workers is None or workers.failure() is None):

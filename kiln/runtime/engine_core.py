@@ -150,6 +150,10 @@ class EngineCore:
         self.scheduler.abort(request)
         self.runner.release(request)
 
+    def close(self) -> None:
+        """Free the device memory (weights, KV cache, graphs); the statistics stay readable."""
+        self.runner.close()
+
     def stats(self) -> dict:
         kv, sched = self.kv, self.scheduler
         return {"running_requests": len(sched.running), "waiting_requests": len(sched.waiting),

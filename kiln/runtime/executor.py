@@ -165,6 +165,11 @@ class GenerationExecutor:
         """Whether the engine loop is running and takes requests."""
         return self._thread.is_alive() and not self._stopped.is_set() and self._error is None
 
+    @property
+    def finished(self) -> bool:
+        """Whether the engine thread has ended (after shutdown, or a failure)."""
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         if not self._stopped.is_set():
             self._stopped.set()

@@ -3,6 +3,8 @@ graph for one-token steps on a GPU), keeps each finished sequence's last logits 
 and samples — greedy requests in one batched argmax, with one device-to-host copy per step."""
 from __future__ import annotations
 
+import gc
+
 import sys
 from dataclasses import dataclass, field
 
@@ -393,6 +395,15 @@ class ModelRunner:
     def forget_logits(self, request: Request) -> None:
         for seq in request.all_seqs():
             self.last_logits.pop(seq.seq_id, None)
+
+    def close(self) -> None:
+        """Give back the device memory: the network's weights, the KV cache, the graphs and their pools."""
+        self.graphs, self.net, self.kv_caches = None, None, []
+        self.generators.clear()
+        self.last_logits.clear()
+        gc.collect()                           # graphs and the network hold reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def release(self, request: Request) -> None:
         """Forget a finished or aborted request's generators and pending logits."""

@@ -32,7 +32,7 @@ def compile_kernels(engine: Engine, device: torch.device | str = "cuda") -> int:
         runner.allocate_kv(blocks + 1)
         runner.capture_graphs()
         _prompt_step(runner, min(build.max_input_len, 64))
-        del runner
+        runner.close()
         engine.kernel_cache = cache_files(root)
         if build.output_timing_cache:
             _write_tar(root, build.output_timing_cache)
