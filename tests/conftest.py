@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent          # the repository
 DATA = ROOT / "tests" / "data"
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's interpreter runs the GPU kernels on the CPU
 
 
 def _interpreter_scalars_as_numpy_24_wants() -> None:
@@ -29,7 +30,7 @@ def _interpreter_scalars_as_numpy_24_wants() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRETING:
     _interpreter_scalars_as_numpy_24_wants()
 
 
@@ -186,10 +187,30 @@ def smollm2_model(smollm2_path):
     return LlamaForCausalLM.from_hugging_face(smollm2_path, quiet=True)
 
 
+# --- a Triton kernel's test, on both backends -------------------------------------------------------------------
+# Such a test takes `backend` first: "interpreter" (Triton's interpreter on the CPU, small shapes) or "cuda" (compiled
+# on the GPU); DEVICE is where its tensors go. Interpreter cases (marker `interpreter`) run only in a process with
+# TRITON_INTERPRET=1, which must be set before Triton is imported: tests/kernels/test_interpreter.py starts those.
+DEVICE = {"interpreter": torch.device("cpu"), "cuda": torch.device("cuda")}
+
+
+def interpreted(*values):
+    """A case run by Triton's interpreter on the CPU."""
+    return pytest.param("interpreter", *values, marks=pytest.mark.interpreter)
+
+
+def on_gpu(*values):
+    """A case compiled on the GPU (marker `gpu`)."""
+    return pytest.param("cuda", *values, marks=pytest.mark.gpu)
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    not_interpreting = pytest.mark.skip(reason="runs under Triton's interpreter, in the process that "
+                                               "tests/kernels/test_interpreter.py starts with TRITON_INTERPRET=1")
+    gpu = torch.cuda.is_available()
     for item in items:
-        if item.get_closest_marker("gpu"):
-            item.add_marker(skip)
+        if not gpu and item.get_closest_marker("gpu"):
+            item.add_marker(no_gpu)
+        if not INTERPRETING and item.get_closest_marker("interpreter"):
+            item.add_marker(not_interpreting)

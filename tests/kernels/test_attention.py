@@ -1,16 +1,17 @@
-"""The attention kernels on the GPU (`pytest -m gpu`, skipped without one) against the torch reference on fresh random
-inputs: paged attention (prompts, chunks, decode steps, split-K partitions, sliding windows, 8-bit caches), the fused
-decode kernel (rope, cache write, attention and the merge in one) and the mma.sync decode kernel over 8-bit caches."""
+"""The attention kernels against the torch reference on fresh random inputs, compiled on the GPU (`pytest -m gpu`,
+skipped without one): paged attention (prompts, chunks, decode steps, split-K partitions, sliding windows, 8-bit
+caches), the fused decode kernel (rope, cache write, attention and the merge in one; also under Triton's interpreter
+on the CPU, marker `interpreter`: in the process tests/kernels/test_interpreter.py starts) and the mma.sync decode
+kernel over 8-bit caches (Gluon and inline PTX: the GPU only)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import rel_err
-from kiln.kernels import AttentionMetadata, reference
+from kiln.kernels import AttentionMetadata, ReferenceOps, reference
 from kiln.kernels.rotary import rope_cos_sin
 
-pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
@@ -36,6 +37,7 @@ def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
     return q, cache, meta
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (16, 4), (32, 4)])
 @pytest.mark.parametrize("block", [16, 32, 64])
@@ -55,6 +57,7 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
                 assert rel_err(out, ref) < 1e-2, (name, window, parts)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (28, 4)])
 @pytest.mark.parametrize("block", [16, 64])
@@ -91,6 +94,60 @@ def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
     assert not decode_attention._arrival_counters(CUDA, 1).any()
 
 
+def _decode_case(seqs: list[int], heads: int, kv_heads: int, dim: int, block: int, seed: int):
+    """A one-token step of sequences with `seqs` cached tokens each (-1: a CUDA graph's padded row: length 0, slot
+    -1) over an fp16 cache (the interpreter has no bf16 arithmetic) of scattered blocks holding random old keys:
+    (qkv, positions, cos_sin, cache, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(c // block + 1 for c in seqs if c >= 0) + 3
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g).half()
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for cached in seqs:
+        table = [order.pop() for _ in range(cached // block + 1)] if cached >= 0 else []
+        tables.append(table)
+        slots.append(table[cached // block] * block + cached % block if cached >= 0 else -1)
+    width = max(map(len, tables))
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    lens = [c + 1 if c >= 0 else 0 for c in seqs]
+    meta = AttentionMetadata(t(slots), t(list(range(len(seqs) + 1))), t(lens),
+                             t([tb + [0] * (width - len(tb)) for tb in tables]), 1, max(lens), block)
+    qkv = torch.randn((len(seqs), (heads + 2 * kv_heads) * dim), generator=g).half()
+    positions = t([max(c, 0) for c in seqs])
+    return qkv, positions, rope_cos_sin(1024, dim, 10000.0, None), cache, meta
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 32), (4, 4, 16)])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("window", [None, 40])
+def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, kv_heads, dim, split, window):
+    """decode_attention (rope + cache write + attention + the last partition's merge, one kernel) against
+    ReferenceOps' rope_and_cache then paged_attention: the same output and the same cache, the padded row's slot
+    untouched; partitions of 64 keys (one tile) and of 128 (two), keys in several blocks; 9 partitions: merged row
+    by row (more than UNROLLED_MERGE)."""
+    from kiln.kernels.triton import decode_attention
+
+    qkv, positions, cos_sin, cache, meta = _decode_case([0, 70, 130, 200, -1], heads, kv_heads, dim, 16, seed=dim)
+    scale = dim ** -0.5
+    ref_cache = cache.clone()                            # the reference on the real rows (it has no padded rows)
+    real = AttentionMetadata(meta.slot_mapping[:4], meta.query_start_loc[:5], meta.seq_lens[:4],
+                             meta.block_tables[:4], 1, meta.max_seq_len, meta.tokens_per_block)
+    ref = ReferenceOps.rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads, dim,
+                                            scale, window)
+    for parts, part_tokens in ((4, 64), (2, 128), (9, 64)) if split else ((1, None),):    # 201 keys at most
+        out_cache = cache.clone()
+        out = decode_attention.decode_attention(qkv, positions, cos_sin, out_cache, meta.slot_mapping,
+                                                meta.block_tables, meta.seq_lens, heads, kv_heads, dim, scale, window,
+                                                num_parts=parts, part_tokens=part_tokens)
+        assert rel_err(out[:4], ref) < 1e-2, part_tokens
+        assert torch.equal(out_cache, ref_cache)
+    assert torch.equal(decode_attention._arrival_counters(qkv.device, 1)[:5 * kv_heads],
+                       torch.zeros(5 * kv_heads, dtype=torch.int32))
+
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
 @pytest.mark.parametrize("dim, heads, kv_heads", [(128, 32, 8), (128, 28, 4), (128, 8, 8), (64, 64, 8), (64, 9, 3)])
 @pytest.mark.parametrize("block", [16, 32, 64])
@@ -119,6 +176,7 @@ def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
             assert rel_err(outs[0], outs[1]) < 1e-2, (window, parts)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["INT8", "FP8"])
 def test_quantized_kv_cache_kernels(kv):
     from kiln.kernels.triton.paged_attention import paged_attention

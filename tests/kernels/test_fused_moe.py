@@ -1,27 +1,22 @@
 """The MoE layer's kernels: the reference (kernels/reference.moe) on quantized experts, and the GPU's fused MoE
-(kernels/triton/fused_moe.py) against a float64 oracle — under Triton's interpreter on the CPU (in a process of their
-own, since TRITON_INTERPRET must be set before Triton is imported: test_interpreted_*_in_a_process_of_*) and compiled
-on the GPU (`pytest -m gpu`, skipped without one): every expert format for 1 to 4096 tokens of 8 experts, top-2,
-balanced and unbalanced routing, float16, and replays in a CUDA graph."""
+(kernels/triton/fused_moe.py) against a float64 oracle, every expert format — under Triton's interpreter on the CPU
+(marker `interpreter`: in the process tests/kernels/test_interpreter.py starts; also in a tiny Mixtral) and compiled
+on the GPU (`pytest -m gpu`, skipped without one: 1 to 4096 tokens of 8 experts, top-2, balanced and unbalanced
+routing, and replays in a CUDA graph)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rel_err
+from conftest import DEVICE, INTERPRETING, interpreted, on_gpu, rel_err
 from kiln.config import QuantConfig
 from kiln.kernels import AttentionMetadata, ReferenceOps, quant, reference
 from kiln.models import LlamaForCausalLM
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in its own process with TRITON_INTERPRET=1")
 EXPERT_MODES = ["W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8", "FP8_PER_CHANNEL_PER_TOKEN"]
 WEIGHT_ONLY = [m for m in EXPERT_MODES if not m.startswith("FP8")]
 CUDA = torch.device("cuda")
-H, INTER = 256, 384                      # 384 inputs of down: three groups of 128, a last step of 64 at 128 a step
 
 
 def stacked_experts(algo: str | None, w: torch.Tensor, group: int = 32, input_scale: float | None = None):
@@ -96,30 +91,7 @@ def test_fused_moe_refuses_other_formats():
 
 
 
-# --- the fused kernels under the interpreter ---------------------------------------------------------------------
-def _interpreted(keyword: str) -> None:
-    """The tests named by `keyword` in a fresh process with TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("already interpreted")
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keyword, __file__],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_interpreted_kernels_in_a_process_of_their_own():
-    _interpreted("interpreted and not in_a_model")
-
-
-@pytest.mark.slow
-def test_interpreted_model_in_a_process_of_its_own():
-    _interpreted("interpreted_fused_moe_in_a_model")
-
-
+# --- the fused kernels ---------------------------------------------------------------------------------------------
 def _e4m3_as_the_gpu_rounds() -> None:
     """Triton 3.6's interpreter rounds float32 → e4m3 without carrying into the exponent (125.9 becomes 64, not
     128) and without saturating; the GPU's cvt.rn.satfinite rounds to nearest even and clamps to ±448. Conversions
@@ -146,13 +118,13 @@ def _e4m3_as_the_gpu_rounds() -> None:
     interpreter._convert_float = converted
 
 
-if INTERPRETED:
+if INTERPRETING:
     _e4m3_as_the_gpu_rounds()
 
 # (algo, input scales of gate/up and down: None per token, or static) — every expert format
 KERNEL_FORMATS = [(None, None), ("W8A16", None), ("W4A16", None), ("W4A16_GPTQ", None), ("W4A16_AWQ", None),
                   ("FP8_PER_CHANNEL_PER_TOKEN", None), ("FP8", (4.0 / quant.FP8_MAX, 8.0 / quant.FP8_MAX))]
-# the interpreter's bfloat16 arithmetic works on the raw bits: bfloat16 runs compiled only (test_gpu_moe.py)
+# the interpreter's bfloat16 arithmetic works on the raw bits: bfloat16 runs compiled only
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -174,23 +146,50 @@ def moe_case(algo, statics, t: int, experts: int, h: int, inter: int, dtype, rou
             stacked_experts(algo, down.to(dtype), input_scale=down_scale))
 
 
-@interpreted_only
-@pytest.mark.parametrize("algo, statics", KERNEL_FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreted_fused_moe_matches_float64(algo, statics, dtype):
-    """One token, more tokens than a block (not a multiple), all to one expert (the others none), and a rank
-    holding experts 2-3 of 4 (expert parallel: the other entries add nothing); 96-column down inputs: no whole
-    number of steps, three int4 groups of 32."""
+# backend: (experts, hidden size, intermediate size): 96 or 384 inputs of down: three groups of 32 or 128, no whole
+# number of steps or a last step of 64 at 128 a step
+MOE_SHAPE = {"interpreter": (4, 64, 96), "cuda": (8, 256, 384)}
+
+
+def _calls(counts, routings=("random", "one")) -> tuple:
+    """(tokens, routing, first expert a rank holds, seed) of each call."""
+    return tuple((t, routing, 0, t) for t in counts for routing in routings)
+
+
+def _fused_moe_cases() -> list:
+    """Under the interpreter float32 and float16: one token, more tokens than a block (not a multiple), all to one
+    expert (the others none), and a rank holding experts 2-3 of 4 (expert parallel: the other entries add nothing).
+    On the GPU bfloat16 over token counts that pick every block size (kernels/triton/tuning.MOE_CONFIGS) for float
+    experts and the decode and prefill sizes for the others, and float16 (float32 runs in the tiny Mixtral of
+    tests/models/test_moe.py)."""
+    interpreter_calls = ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5))
+    cases = [interpreted(algo, statics, dtype, interpreter_calls) for algo, statics in KERNEL_FORMATS
+             for dtype in (torch.float32, torch.float16)]
+    cases += [on_gpu(algo, statics, torch.bfloat16, _calls((1, 2, 3, 16, 33, 100, 256, 777, 4096) if algo is None
+                                                           else (1, 33, 777, 4096)))
+              for algo, statics in KERNEL_FORMATS]
+    return cases + [on_gpu(algo, None, torch.float16, _calls((1, 300), ("random",)))
+                    for algo in (None, "W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN")]
+
+
+@pytest.mark.parametrize("backend, algo, statics, dtype, calls", _fused_moe_cases())
+def test_fused_moe_matches_float64(backend, algo, statics, dtype, calls):
+    """Top-2, renormalised; routing 'one': every token to experts 0 and 1, the others none. On the GPU e4m3 dots
+    accumulate as the tensor cores do by default (fast accumulation: in float16 2.8e-3 from float64 at one token,
+    against 2e-4 for the other formats)."""
     from kiln.kernels.triton.fused_moe import fused_moe
 
-    for t, routing, first, seed in ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5)):
-        x, router, gate_up, down = moe_case(algo, statics, t, 4, 64, 96, dtype, routing, seed=seed)
+    experts, hidden, inter = MOE_SHAPE[backend]
+    fast_fp8 = backend == "cuda" and dtype == torch.float16 and algo is not None and algo.startswith("FP8")
+    tolerance = 1e-2 if fast_fp8 else TOLERANCE[dtype]
+    for t, routing, first, seed in calls:
+        x, router, gate_up, down = moe_case(algo, statics, t, experts, hidden, inter, dtype, routing, DEVICE[backend],
+                                            seed)
         if first:
             gate_up, down = (_expert_slice(w, first, 2) for w in (gate_up, down))
         out = fused_moe(x, router, gate_up, down, 2, True, first, algo)
         ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
-        assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype], (t, routing, first, rel_err(out, ref))
-
+        assert out.dtype == dtype and rel_err(out, ref) < tolerance, (t, routing, first, rel_err(out, ref))
 
 def _expert_slice(w, first: int, count: int):
     if not isinstance(w, dict):
@@ -198,7 +197,7 @@ def _expert_slice(w, first: int, count: int):
     return {k: v if k == "input_scale" else v[first:first + count] for k, v in w.items()}
 
 
-@interpreted_only
+@pytest.mark.interpreter
 def test_interpreted_routing_without_renormalisation_and_top_1():
     from kiln.kernels.triton.fused_moe import fused_moe
 
@@ -208,7 +207,7 @@ def test_interpreted_routing_without_renormalisation_and_top_1():
         assert rel_err(out, oracle_moe(x, router, gate_up, down, top_k, renormalize)) < TOLERANCE[torch.float32]
 
 
-@interpreted_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("t, block_m, first, local", [(1, 16, 0, 4), (37, 16, 0, 8), (300, 64, 3, 2), (9, 32, 0, 8)])
 def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
     """Every local entry appears once, in its expert's segment (entries in order), segments start on block
@@ -232,7 +231,7 @@ def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
     assert block_expert.tolist() == expected_blocks + [-1] * (block_expert.numel() - used)
 
 
-@interpreted_only
+@pytest.mark.interpreter
 def test_interpreted_route_matches_torch_topk():
     from kiln.kernels.triton.fused_moe import route
 
@@ -283,7 +282,7 @@ def greedy_tokens(model: LlamaForCausalLM, ops, prompts: list[list[int]], new_to
     return [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
-@interpreted_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("algo", [None, *EXPERT_MODES])
 def test_interpreted_fused_moe_in_a_model_gives_the_reference_tokens(tiny_models, algo):
     """A tiny Mixtral (float32) with its experts in each mode: the fused MoE (prefill, then decode steps of two
@@ -299,37 +298,6 @@ def test_interpreted_fused_moe_in_a_model_gives_the_reference_tokens(tiny_models
     assert greedy_tokens(model, FusedMoeOps(), prompts, 4) == greedy_tokens(model, ReferenceOps(), prompts, 4)
 
 
-# --- compiled on the GPU ---------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, statics", KERNEL_FORMATS)
-def test_fused_moe_matches_float64(algo, statics):
-    """bfloat16 over token counts that pick every block size (kernels/triton/tuning.MOE_CONFIGS) for float experts and
-    the decode and prefill sizes for the others; 'one': every token to experts 0 and 1, the six others empty."""
-    from kiln.kernels.triton.fused_moe import fused_moe
-
-    counts = (1, 2, 3, 16, 33, 100, 256, 777, 4096) if algo is None else (1, 33, 777, 4096)
-    for t in counts:
-        for routing in ("random", "one"):
-            x, router, gate_up, down = moe_case(algo, statics, t, 8, H, INTER, torch.bfloat16, routing, CUDA, seed=t)
-            out = fused_moe(x, router, gate_up, down, 2, True, 0, algo)
-            error = rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo))
-            assert out.shape == x.shape and error < TOLERANCE[torch.bfloat16], (t, routing, error)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo", [None, "W4A16_AWQ", "FP8_PER_CHANNEL_PER_TOKEN"])
-def test_fused_moe_in_float16(algo):
-    """(float32 runs in the tiny Mixtral below.) e4m3 dots accumulate as the tensor cores do by default (fast
-    accumulation: 2.8e-3 from float64 at one token, against 2e-4 for the other formats)."""
-    from kiln.kernels.triton.fused_moe import fused_moe
-
-    tolerance = 1e-2 if algo and algo.startswith("FP8") else TOLERANCE[torch.float16]
-    for t in (1, 300):
-        x, router, gate_up, down = moe_case(algo, None, t, 8, H, INTER, torch.float16, device=CUDA, seed=t)
-        out = fused_moe(x, router, gate_up, down, 2, True, 0, algo)
-        assert rel_err(out, oracle_moe(x, router, gate_up, down, 2, True, algo)) < tolerance, t
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("algo, statics", [(None, None), ("W4A16_GPTQ", None), *KERNEL_FORMATS[-2:]])
 def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
@@ -338,7 +306,7 @@ def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
     from kiln.kernels.triton.fused_moe import fused_moe
 
     for t in (1, 24):
-        x, router, gate_up, down = moe_case(algo, statics, t, 8, H, INTER, torch.bfloat16, device=CUDA, seed=t)
+        x, router, gate_up, down = moe_case(algo, statics, t, *MOE_SHAPE["cuda"], torch.bfloat16, device=CUDA, seed=t)
         static_x = x.clone()
         fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)         # compiled before the capture
         graph = torch.cuda.CUDAGraph()

@@ -1,7 +1,8 @@
 """int4 on the tensor cores (kernels/triton/int4_fragments.py, int4_mma.py): the fragment layout checked on the CPU
-against the PTX tables of mma.m16n8k16, the routing of products on it (stand-ins for the kernels), and on the GPU
-(`pytest -m gpu`, skipped without one) the mma.sync products, their SiLU(gate)·up and the folded RMSNorm against the
-float64 reference."""
+against the PTX tables of mma.m16n8k16, the routing of products on it (stand-ins for the kernels), its dequantize
+kernel under Triton's interpreter (marker `interpreter`; the interpreter runs neither Gluon nor inline PTX), and on the
+GPU (`pytest -m gpu`, skipped without one) the mma.sync products, their SiLU(gate)·up and the folded RMSNorm against
+the float64 reference."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from conftest import rel_err
 from kiln.kernels import quant, reference
-from test_quant_linear import _gpu_layout, _gpu_stood_for, _quantized
+from test_quant_linear import gpu_layout, quantized, stood_for
 
 CUDA = torch.device("cuda")
 
@@ -158,6 +159,19 @@ def test_folded_norms_route_to_int4_mma():
     assert not QuantProducts(TritonOptions(fold_norms=False)).folds_norm(params, params)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [128, None])
+def test_interpreted_int4_fragment_dequantize(group):
+    """The dequantize kernel of int4_mma's layout (products of more than 16 rows): the engine layout's float matrix
+    exactly, with zero points per group of 128 or per row."""
+    from kiln.kernels.triton import int4_fragments
+
+    g = torch.Generator().manual_seed(10)
+    packed, scale, zero = quant.quantize_int4(torch.randn(32, 256, generator=g), group, True)
+    out = int4_fragments.dequantize(int4_fragments.pack(packed), int4_fragments.pack_grid(scale, zero), torch.float32)
+    assert torch.equal(out, quant.dequantize_int4(packed, scale, zero))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640)])
@@ -172,7 +186,7 @@ def test_int4_mma_products(algo, group, n, k, dtype):
 
     products = QuantProducts(TritonOptions(int4_mma="all"))     # every shape in the fragment layout
     g = torch.Generator(device="cuda").manual_seed(n + k + (group or 0))
-    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
+    params = quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group)
     layout, packed = products.pack(algo, params)
     assert layout.fragments
     assert torch.equal(int4_fragments.unpack(packed["weight"]), params["weight"])
@@ -213,8 +227,8 @@ def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype):
 
     products = QuantProducts(TritonOptions(int4_mma="all"))
     g = torch.Generator(device="cuda").manual_seed(n + k)
-    params = _quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group=group)
-    paired, plain = _gpu_layout(products, algo, params, gated=True), _gpu_layout(products, algo, params)
+    params = quantized(algo, torch.randn((n, k), generator=g, device=CUDA) * 0.05, group)
+    paired, plain = gpu_layout(products, algo, params, gated=True), gpu_layout(products, algo, params)
     assert paired["layout"].paired_rows and paired["layout"].fragments and not plain["layout"].paired_rows
     blocks = int4_fragments.pair_blocks
     assert torch.equal(blocks(blocks(params["weight"]), inverse=True), params["weight"])
@@ -224,7 +238,7 @@ def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype):
         fused = products.linear_silu(x, algo, paired, None)
         assert fused.shape == (rows, n // 2) and torch.equal(fused, unfused), rows
         assert torch.equal(products.linear(x, algo, paired, None), products.linear(x, algo, plain, None)), rows
-        ref = ReferenceOps.quant_linear_silu(x.double(), algo, _gpu_stood_for(params, paired))
+        ref = ReferenceOps.quant_linear_silu(x.double(), algo, stood_for(paired["layout"], params))
         assert rel_err(fused, ref) < 1e-2, rows
         if rows in (1, 9):          # other layouts: against the unpaired product in the same layout (the same sums)
             for layout in ((2, 2, 2), (4, 1, 4), (4, 1, 8), (8, 4, 2)):
@@ -257,9 +271,9 @@ def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, g
     hidden = made_shape[0]
     read_shape = (read_shape[0], hidden)
     g = torch.Generator(device="cuda").manual_seed(sum(made_shape + read_shape))
-    made, read = (_quantized(algo, torch.randn(shape, generator=g, device=CUDA) * 0.05, group=group)
+    made, read = (quantized(algo, torch.randn(shape, generator=g, device=CUDA) * 0.05, group)
                   for shape in (made_shape, read_shape))
-    made_gpu, read_gpu = _gpu_layout(products, algo, made), _gpu_layout(products, algo, read, gated)
+    made_gpu, read_gpu = gpu_layout(products, algo, made), gpu_layout(products, algo, read, gated)
     assert made_gpu["layout"].fragments and read_gpu["layout"].fragments and products.folds_norm(made_gpu, read_gpu)
     norm_w = (torch.rand(hidden, generator=g, device=CUDA) + 0.5).to(dtype)
     product = products.linear_silu if gated else products.linear
@@ -284,8 +298,8 @@ def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, g
         deferred = DeferredNorm(summed.residual, summed.sum_squares, norm_w, 1e-5, summed.weighted)
         fused, unfused = product(deferred, algo, read_gpu, None), product(normed, algo, read_gpu, None)
         ref_x = reference.rms_norm(summed.residual.double(), norm_w.double(), 1e-5)
-        ref = (ReferenceOps.quant_linear_silu if gated else quant.quant_linear)(ref_x, algo, _gpu_stood_for(read, read_gpu),
-                                                                               None)
+        ref = (ReferenceOps.quant_linear_silu if gated else quant.quant_linear)(
+            ref_x, algo, stood_for(read_gpu["layout"], read), None)
         # x rounded once (weight · sum) instead of twice (sum · 1/rms, then · weight): apart by about as much as
         # either is from the float64 product (48 SiLU outputs of the small shape: 4.9e-3 against 3.6e-3 unfused)
         errors = rel_err(fused, ref), rel_err(unfused, ref), rel_err(fused, unfused)

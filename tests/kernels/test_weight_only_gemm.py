@@ -1,34 +1,21 @@
 """kernels/triton/weight_only.py (weight-only W4A16/W8A16 products of more rows than the decode GEMV takes) against a
-float64 product of the dequantized weight (kernels/quant.py): under Triton's interpreter on the CPU (in a process of
-their own, since TRITON_INTERPRET must be set before Triton is imported) and compiled on real 8B shapes (gpu)."""
+float64 product of the dequantized weight (kernels/quant.py): under Triton's interpreter on the CPU (marker
+`interpreter`: in the process tests/kernels/test_interpreter.py starts) and compiled on real 8B shapes (`pytest -m
+gpu`, skipped without a GPU)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
+from conftest import DEVICE, interpreted, on_gpu
 from kiln.kernels import quant
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in its own process with TRITON_INTERPRET=1")
 
 # algo, group (None: per channel)
 FORMATS = [("W8A16", None), ("W4A16", None), ("W4A16_AWQ", None), ("W4A16", 64), ("W4A16_AWQ", 64),
            ("W4A16", 128), ("W4A16_AWQ", 128)]
-
-
-def test_interpreted_kernels_in_a_process_of_their_own():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("already interpreted")
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                           __file__],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+GPU_FORMATS = [("W4A16_AWQ", 128), ("W4A16", 128), ("W8A16", None)]
+GPU_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]        # Llama-3.1-8B's
+UNPACKS = ["GATHER", "PLANES", "RESHAPE", "RESHAPE_INNER"]
 
 
 def _params(algo: str, w: torch.Tensor, group: int | None) -> dict:
@@ -49,11 +36,13 @@ def _case(algo: str, group: int | None, n: int, k: int, m: int, dtype, device="c
     return x, params, 8 if algo == "W8A16" else 4, ref
 
 
-def _layouts(params: dict, bits: int):
-    """(interleaved, weight) for the engine layout and, where K allows it, the interleaved one."""
+def _layouts(params: dict, bits: int, engine: bool = True):
+    """(interleaved, weight) for the engine layout (unless engine=False) and, where K allows it, the interleaved
+    one."""
     from kiln.kernels.triton.gemv import block_columns, interleave_weight
 
-    yield False, params["weight"]
+    if engine:
+        yield False, params["weight"]
     if (params["weight"].shape[1] * 8 // bits) % block_columns(bits) == 0:
         yield True, interleave_weight(params["weight"], bits)
 
@@ -63,40 +52,65 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-# float32 x: the products are exact and the sums float32; fp16 x: the output's rounding (2^-11) dominates
+# float32 x: the products are exact and the sums float32; fp16 x: the output's rounding (2^-11) dominates; bf16 x: the
+# tiled kernel rounds only its output, dequantize + cuBLAS also the weight, to bf16
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+# backend: (rows of x with their dtype, the engine layout too, the functions computing the product)
+PRODUCTS = {"interpreter": (((5, torch.float16), (17, torch.float32), (64, torch.float16), (300, torch.float16)), True,
+                            ("tiled",)),
+            "cuda": (tuple((m, torch.bfloat16) for m in (8, 64, 128, 512)), False, ("public", "tiled", "dequantized"))}
 
 
-@interpreted_only
-@pytest.mark.parametrize("algo, group", FORMATS)
-def test_interpreted_tiled_kernel_matches_the_reference(algo, group):
-    """544 columns: 4.25 groups of 128 and 8.5 of 64 (a short last group) and no whole number of 64- or 128-column
-    steps; 80 rows: a partial tile of weight rows; 300 rows of x: several partial tiles of them."""
+@pytest.mark.parametrize("backend, algo, group, n, k", [interpreted(algo, group, 80, 544) for algo, group in FORMATS]
+                         + [on_gpu(algo, group, n, k) for algo, group in GPU_FORMATS for n, k in GPU_SHAPES])
+def test_weight_only_matmul_matches_the_reference(backend, algo, group, n, k):
+    """Under the interpreter 544 columns: 4.25 groups of 128 and 8.5 of 64 (a short last group) and no whole number
+    of 64- or 128-column steps; 80 rows: a partial tile of weight rows; 300 rows of x: several partial tiles of them.
+    On the GPU the 8B shapes in bf16 through the public entry, the tiled kernel and dequantize + cuBLAS."""
     from kiln.kernels.triton import weight_only as wo
 
-    for m, dtype in ((5, torch.float16), (17, torch.float32), (64, torch.float16), (300, torch.float16)):
-        x, params, bits, ref = _case(algo, group, 80, 544, m, dtype, seed=m)
-        for interleaved, weight in _layouts(params, bits):
-            out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
-            assert out.dtype == dtype and _rel(out, ref) < TOLERANCE[dtype], (m, interleaved, _rel(out, ref))
+    functions = {"public": wo.weight_only_matmul, "tiled": wo.tiled_matmul, "dequantized": wo.dequantized_matmul}
+    rows, engine, names = PRODUCTS[backend]
+    for m, dtype in rows:
+        x, params, bits, ref = _case(algo, group, n, k, m, dtype, device=DEVICE[backend], seed=m)
+        for interleaved, weight in _layouts(params, bits, engine):
+            for name in names:
+                out = functions[name](x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
+                assert out.dtype == dtype and _rel(out, ref) < TOLERANCE[dtype], (m, interleaved, name, _rel(out, ref))
 
 
-@interpreted_only
-@pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16_AWQ", 128), ("W4A16", None)])
-@pytest.mark.parametrize("unpack", ["GATHER", "PLANES", "RESHAPE", "RESHAPE_INNER"])
-def test_interpreted_unpacking_and_split_k_variants(algo, group, unpack):
+# backend: (weight rows, columns, rows of x, their dtype, split-K values, the tile)
+VARIANTS = {"interpreter": (48, 544, (9,), torch.float32, (1, 3), dict(block_n=32, block_m=16, block_k=128)),
+            "cuda": (1000, 2080, (5, 33, 300), torch.bfloat16, (1, 4), dict(block_n=64, block_m=32))}
+
+
+@pytest.mark.parametrize("backend, algo, group, unpack",
+                         [interpreted(algo, group, unpack) for algo, group in [("W8A16", None), ("W4A16_AWQ", 128),
+                                                                               ("W4A16", None)] for unpack in UNPACKS]
+                         + [on_gpu(algo, group, unpack) for algo, group in [("W4A16_AWQ", 64), ("W4A16", None),
+                                                                            ("W8A16", None)] for unpack in UNPACKS])
+def test_unpacking_and_split_k_variants(backend, algo, group, unpack):
+    """Each way of unpacking a tile's levels, split-K on and off, both layouts (configurations the tensor-core kernel
+    does not take passed over), and dequantize + cuBLAS on the same weights; on the GPU 1000 × 2080: a short last
+    group, no whole 128-column step, a partial tile of rows."""
     from kiln.kernels.triton import tuning, weight_only as wo
 
-    x, params, bits, ref = _case(algo, group, 48, 544, 9, torch.float32, seed=1)
-    for interleaved, weight in _layouts(params, bits):
-        for split in (1, 3):
-            config = tuning.MmaConfig(block_n=32, block_m=16, block_k=128, unpack=getattr(tuning, unpack), split=split)
-            out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved,
-                                  config)
-            assert _rel(out, ref) < TOLERANCE[torch.float32], (interleaved, split, _rel(out, ref))
+    n, k, rows, dtype, splits, tile = VARIANTS[backend]
+    for m in rows:
+        x, params, bits, ref = _case(algo, group, n, k, m, dtype, device=DEVICE[backend], seed=m)
+        for interleaved, weight in _layouts(params, bits):
+            for split in splits:
+                config = tuning.MmaConfig(**tile, unpack=getattr(tuning, unpack), split=split)
+                if not wo.mma_supported(bits, group or 0, interleaved, config):
+                    continue
+                out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved,
+                                      config)
+                assert _rel(out, ref) < TOLERANCE[dtype], (m, interleaved, split, _rel(out, ref))
+            out = wo.dequantized_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
+            assert _rel(out, ref) < TOLERANCE[dtype], (m, interleaved)
 
 
-@interpreted_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("algo, group", [("W8A16", None), ("W4A16", None), ("W4A16_AWQ", 32), ("W4A16", 16)])
 @pytest.mark.parametrize("k", [40, 36, 38])
 def test_interpreted_engine_layout_of_widths_without_whole_blocks(algo, group, k):
@@ -111,7 +125,7 @@ def test_interpreted_engine_layout_of_widths_without_whole_blocks(algo, group, k
     assert _rel(out, ref) < TOLERANCE[torch.float32]
 
 
-@interpreted_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("algo, group", FORMATS)
 def test_interpreted_dequantize_is_the_reference_matrix(algo, group):
     from kiln.kernels.triton import weight_only as wo
@@ -126,7 +140,7 @@ def test_interpreted_dequantize_is_the_reference_matrix(algo, group):
         assert _rel(out, ref) < TOLERANCE[torch.float32]
 
 
-@interpreted_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", 16)])
 def test_interpreted_weight_only_matmul_picks_a_path(algo, group):
     """By rows (DEQUANTIZE_MIN_ROWS), and groups of 16 interleaved (narrower than a block) dequantized."""
@@ -138,49 +152,3 @@ def test_interpreted_weight_only_matmul_picks_a_path(algo, group):
             out = wo.weight_only_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
                                         interleaved)
             assert out.shape == (m, 40) and _rel(out, ref) < TOLERANCE[torch.float16], (m, interleaved)
-
-
-# --- compiled, on the Llama-3.1-8B shapes ------------------------------------------------------------------------
-GPU_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", 128), ("W8A16", None)])
-@pytest.mark.parametrize("n, k", GPU_SHAPES)
-def test_gpu_weight_only_matmul_on_8b_shapes(algo, group, n, k):
-    """bf16 x: the tiled kernel rounds only its output, dequantize + cuBLAS also the weight, to bf16."""
-    from kiln.kernels.triton import weight_only as wo
-    from kiln.kernels.triton.gemv import interleave_weight
-
-    for m in (8, 64, 128, 512):
-        x, params, bits, ref = _case(algo, group, n, k, m, torch.bfloat16, device="cuda", seed=m)
-        weight = interleave_weight(params["weight"], bits)
-        args = (weight, params["weight_scale"], params.get("weight_zero"), bits, True)
-        for name, fn in (("public", wo.weight_only_matmul), ("tiled", wo.tiled_matmul),
-                         ("dequantized", wo.dequantized_matmul)):
-            out = fn(x, *args)
-            assert out.dtype == torch.bfloat16 and _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, name, _rel(out, ref))
-        del x, params, ref
-        torch.cuda.empty_cache()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 64), ("W4A16", None), ("W8A16", None)])
-def test_gpu_engine_layout_short_groups_and_partial_tiles(algo, group):
-    """1000 × 2080 (a short last group, no whole 128-column step, a partial tile of rows), engine layout and
-    interleaved, every unpacking, split-K on and off."""
-    from kiln.kernels.triton import tuning, weight_only as wo
-
-    for m in (5, 33, 300):
-        x, params, bits, ref = _case(algo, group, 1000, 2080, m, torch.bfloat16, device="cuda", seed=m)
-        for interleaved, weight in _layouts(params, bits):
-            for unpack in (tuning.GATHER, tuning.PLANES, tuning.RESHAPE, tuning.RESHAPE_INNER):
-                for split in (1, 4):
-                    config = tuning.MmaConfig(block_n=64, block_m=32, unpack=unpack, split=split)
-                    if not wo.mma_supported(bits, group or 0, interleaved, config):
-                        continue
-                    out = wo.tiled_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits,
-                                          interleaved, config)
-                    assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved, unpack, split)
-            out = wo.dequantized_matmul(x, weight, params["weight_scale"], params.get("weight_zero"), bits, interleaved)
-            assert _rel(out, ref) < TOLERANCE[torch.bfloat16], (m, interleaved)

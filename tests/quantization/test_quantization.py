@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DATA, ROOT
+from conftest import DATA
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.cli.main import main
 from kiln.config import ConvertConfig, QuantConfig
@@ -212,22 +212,6 @@ def test_import_prequantized_checkpoints(tiny_models, tmp_path, method):
     with torch.no_grad():
         ref = hf_model(torch.tensor([list(range(5, 60))])).logits[0]
     assert ((out.context_logits - ref).norm() / ref.norm()).item() < 0.2
-
-
-
-@pytest.mark.slow
-def test_gpu_kernels_under_the_interpreter():
-    """The Triton kernels for quantized layers (tests/kernels/test_quant_linear.py) on the CPU, in a fresh process:
-    TRITON_INTERPRET must be set before Triton is first imported."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                           str(ROOT / "tests" / "kernels" / "test_quant_linear.py")],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def _correlated_inputs(tokens: int, width: int, seed: int) -> torch.Tensor:
