@@ -3,13 +3,15 @@
 launch sequence from the router's logits to the summed output), TB/s of the routed experts' bytes (weights, scales
 and zero points of every expert that gets a token, read once) and TFLOP/s (2·T·k·3·H·I).
 
-    python benchmarks/moe_bench.py [--tokens 1,16,128,1024,4096] [--formats bf16,fp8,int4] [--check]
+    python benchmarks/moe_bench.py [--tokens 1,16,128,1024,4096] [--formats bf16,fp8,int4] [--check] [--sweep]
 
 Needs Kiln installed (`pip install -e .`) and a CUDA GPU.
 
 Formats: bf16, fp8 (e4m3 weights per channel, activations per token), fp8_static (one calibrated scale per
 projection), int8 (W8A16), int4 (W4A16 AWQ: groups of 128 with zero points), int4_sym (W4A16 GPTQ layout: groups
-of 128, no zero points). --check compares each layer with the reference loop on its first 64 tokens.
+of 128, no zero points). --check compares each layer with the reference loop on its first 64 tokens. --sweep times
+each (format, token count) under every tile choice of `candidates` too and prints the fastest beside the table's
+(MOE_CONFIGS in kiln/kernels/triton/tuning.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kiln import benchmark as bench
 from kiln.config import QuantConfig
 from kiln.kernels import quant, reference
 from kiln.kernels.triton.fused_moe import fused_moe, moe_config
+from kiln.kernels.triton.tuning import MoeConfig, MoeTile
 from kiln.quantization import round_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
@@ -57,11 +60,38 @@ def check(x, router, gate_up, down, algo) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def candidates(tokens: int) -> list[MoeConfig]:
+    """Tile choices to time at `tokens`: row blocks near the rows an expert gets, tiles from narrow (few rows:
+    many programs streaming weights) to wide (many rows: operand reuse)."""
+    rows = tokens * TOP_K / EXPERTS
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)][-3:]
+    tiles = [MoeTile(32, 128, 4, 4), MoeTile(64, 128, 4, 4), MoeTile(64, 64, 4, 4, 8), MoeTile(128, 64, 4, 4, 8),
+             MoeTile(128, 64, 8, 3, 8), MoeTile(128, 128, 8, 3, 8), MoeTile(256, 64, 8, 3, 8)]
+    if rows < 16:
+        tiles = tiles[:3] + [MoeTile(16, 256, 4, 4), MoeTile(32, 256, 4, 3), MoeTile(64, 256, 4, 3)]
+    return [MoeConfig(m, tile, tile) for m in block_ms for tile in tiles]
+
+
+def sweep(name: str, t: int, x, router, weights, algo) -> None:
+    """The fastest of `candidates` against the table's choice (a candidate that fails to compile is skipped)."""
+    timed = []
+    for config in candidates(t):
+        try:
+            timed.append((bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo,
+                                                                  config=config)] * 4), config))
+        except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: not a choice
+            print(f"    skipped {config}: {type(err).__name__}", flush=True)
+    table = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
+    for seconds, config in sorted(timed, key=lambda c: c[0])[:3]:
+        print(f"    {name} {t}: {seconds * 1e6:.1f} µs ({table / seconds:.2f}x the table's) {config}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,16,128,1024,4096")
     parser.add_argument("--formats", default="bf16,fp8,int4")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the tile candidates too")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     hw = bench.Hardware.measure(torch.device("cuda"))
@@ -83,6 +113,8 @@ def main() -> None:
             line = (f"{name:>10} {t:>6} {moe_config(t, TOP_K, EXPERTS).block_m:>7} {seconds * 1e6:>9.1f} "
                     f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
             print(line + (f" {check(x, router, *weights, algo):>8.1e}" if args.check else ""), flush=True)
+            if args.sweep:
+                sweep(name, t, x, router, weights, algo)
         del weights
         torch.cuda.empty_cache()
 
