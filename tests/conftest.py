@@ -3,6 +3,7 @@ tokenizer, and the transformers reference they are checked against. The one conf
 mirror kiln/<layer>/, and pytest finds this file from every one of them (`from conftest import ...`)."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -199,9 +200,36 @@ def interpreted(*values):
     return pytest.param("interpreter", *values, marks=pytest.mark.interpreter)
 
 
-def on_gpu(*values):
-    """A case compiled on the GPU (marker `gpu`)."""
-    return pytest.param("cuda", *values, marks=pytest.mark.gpu)
+def on_gpu(*values, slow: bool = False):
+    """A case compiled on the GPU: marker `gpu` (the default GPU run), or with slow=True `gpu_slow` (the sweep)."""
+    return pytest.param("cuda", *values, marks=pytest.mark.gpu_slow if slow else pytest.mark.gpu)
+
+
+# --- the GPU runs ---------------------------------------------------------------------------------------------------
+# `pytest -m gpu`, the default GPU run (about 6 minutes on an H200), takes a few sharp cases of every kernel, dtype and
+# quantized format and every end-to-end GPU check; `pytest -m gpu_slow` is the sweep (the other shapes, dtypes and
+# layouts, the 32-layer 8B model, repeated runs). A case carries one of the two markers, never both.
+def gpu_cases(cases: list, default: list) -> list:
+    """A GPU test's cases (each a value, or a tuple of its arguments): those in `default` marked gpu, the others
+    gpu_slow."""
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                         marks=pytest.mark.gpu if case in default else pytest.mark.gpu_slow) for case in cases]
+
+
+@functools.cache
+def random_smollm2(dtype: str, seed: int, quant_algo: str | None = None, kv_cache_quant_algo: str | None = None):
+    """A SmolLM2-135M-shaped model of random weights (std 0.05), quantized as asked (2 calibration samples); made
+    once a session: the GPU tests share them (AWQ's search takes a while on the CPU)."""
+    from kiln.benchmark import shape_config
+    from kiln.config import QuantConfig
+    from kiln.models import LlamaForCausalLM
+    from kiln.quantization import quantize_model
+
+    model = LlamaForCausalLM.random(shape_config("smollm2-135m", dtype), seed=seed, std=0.05)
+    if quant_algo or kv_cache_quant_algo:
+        quantization = QuantConfig(quant_algo=quant_algo, kv_cache_quant_algo=kv_cache_quant_algo)
+        model = quantize_model(model, quantization, calib_size=2, quiet=True)
+    return model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -210,7 +238,7 @@ def pytest_collection_modifyitems(config, items):
                                                "tests/kernels/test_interpreter.py starts with TRITON_INTERPRET=1")
     gpu = torch.cuda.is_available()
     for item in items:
-        if not gpu and item.get_closest_marker("gpu"):
+        if not gpu and (item.get_closest_marker("gpu") or item.get_closest_marker("gpu_slow")):
             item.add_marker(no_gpu)
         if not INTERPRETING and item.get_closest_marker("interpreter"):
             item.add_marker(not_interpreting)

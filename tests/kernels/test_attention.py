@@ -1,14 +1,14 @@
-"""The attention kernels against the torch reference on fresh random inputs, compiled on the GPU (`pytest -m gpu`,
-skipped without one): paged attention (prompts, chunks, decode steps, split-K partitions, sliding windows, 8-bit
-caches), the fused decode kernel (rope, cache write, attention and the merge in one; also under Triton's interpreter
-on the CPU, marker `interpreter`: in the process tests/kernels/test_interpreter.py starts) and the mma.sync decode
-kernel over 8-bit caches (Gluon and inline PTX: the GPU only)."""
+"""The attention kernels against the torch reference on fresh random inputs, compiled on the GPU (`pytest -m gpu`
+and the sweep `-m gpu_slow`, skipped without one): paged attention (prompts, chunks, decode steps, split-K
+partitions, sliding windows, 8-bit caches), the fused decode kernel (rope, cache write, attention and the merge in
+one; also under Triton's interpreter on the CPU, marker `interpreter`: in the process tests/kernels/
+test_interpreter.py starts) and the mma.sync decode kernel over 8-bit caches (Gluon and inline PTX: the GPU only)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import gpu_cases, rel_err
 from kiln.kernels import AttentionMetadata, ReferenceOps, reference
 from kiln.kernels.rotary import rope_cos_sin
 
@@ -37,10 +37,9 @@ def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
     return q, cache, meta
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (16, 4), (32, 4)])
-@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("dim, heads, kv_heads, block", gpu_cases(
+    [(dim, heads, kv_heads, block) for dim in (64, 128) for heads, kv_heads in ((8, 8), (16, 4), (32, 4))
+     for block in (16, 32, 64)], default=[(128, 32, 4, 16), (64, 8, 8, 64), (128, 16, 4, 32)]))
 def test_paged_attention_kernel(dim, heads, kv_heads, block):
     from kiln.kernels.triton.paged_attention import paged_attention
 
@@ -57,10 +56,9 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
                 assert rel_err(out, ref) < 1e-2, (name, window, parts)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (28, 4)])
-@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("dim, heads, kv_heads, block", gpu_cases(
+    [(dim, heads, kv_heads, block) for dim in (64, 128) for heads, kv_heads in ((8, 8), (32, 8), (28, 4))
+     for block in (16, 64)], default=[(128, 32, 8, 16), (64, 28, 4, 64)]))
 def test_fused_decode_attention_kernel(dim, heads, kv_heads, block):
     """decode_attention (rope + cache write + attention + merge in one kernel) against the three kernels it
     replaces and the float reference, bf16, with and without split-K partitions and a sliding window; a padded
@@ -147,10 +145,10 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
 
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["INT8", "FP8"])
-@pytest.mark.parametrize("dim, heads, kv_heads", [(128, 32, 8), (128, 28, 4), (128, 8, 8), (64, 64, 8), (64, 9, 3)])
-@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("kv, dim, heads, kv_heads, block", gpu_cases(
+    [(kv, *shape, block) for kv in ("INT8", "FP8")
+     for shape in ((128, 32, 8), (128, 28, 4), (128, 8, 8), (64, 64, 8), (64, 9, 3)) for block in (16, 32, 64)],
+    default=[("INT8", 128, 32, 8, 16), ("FP8", 128, 28, 4, 32), ("INT8", 64, 9, 3, 64), ("FP8", 64, 64, 8, 16)]))
 def test_mma_decode_attention(kv, dim, heads, kv_heads, block):
     """The mma.sync decode kernel over an 8-bit cache against the float reference and the Triton kernel: one query
     token per sequence, windows, split-K partitions, and a padded row (no query token, as CUDA graphs add)."""

@@ -1,14 +1,14 @@
 """int4 on the tensor cores (kernels/triton/int4_fragments.py, int4_mma.py): the fragment layout checked on the CPU
 against the PTX tables of mma.m16n8k16, the routing of products on it (stand-ins for the kernels), its dequantize
 kernel under Triton's interpreter (marker `interpreter`; the interpreter runs neither Gluon nor inline PTX), and on the
-GPU (`pytest -m gpu`, skipped without one) the mma.sync products, their SiLU(gate)·up and the folded RMSNorm against
-the float64 reference."""
+GPU (`pytest -m gpu`, the sweep `-m gpu_slow`; skipped without one) the mma.sync products, their SiLU(gate)·up and
+the folded RMSNorm against the float64 reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import gpu_cases, rel_err
 from kiln.kernels import quant, reference
 from test_quant_linear import gpu_layout, quantized, stood_for
 
@@ -172,14 +172,26 @@ def test_interpreted_int4_fragment_dequantize(group):
     assert torch.equal(out, quant.dequantize_int4(packed, scale, zero))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)])
-@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_mma_products(algo, group, n, k, dtype):
+FORMATS = [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16_AWQ", None), ("W4A16", None)]
+
+
+def _int4_mma_product_cases() -> list:
+    """The default GPU run: each format once, on the engine's layout of the kernel; the sweep: every format, shape
+    and dtype with the other layouts of the kernel too."""
+    sharp = [("W4A16_AWQ", 128, 6144, 4096, torch.bfloat16), ("W4A16_GPTQ", 128, 48, 640, torch.float16),
+             ("W4A16_AWQ", None, 4096, 14336, torch.float16), ("W4A16", None, 32, 256, torch.bfloat16)]
+    return [pytest.param(*case, False, marks=pytest.mark.gpu) for case in sharp] + [
+        pytest.param(algo, group, n, k, dtype, True, marks=pytest.mark.gpu_slow) for algo, group in FORMATS
+        for n, k in ((6144, 4096), (4096, 14336), (4096, 4096), (32, 256), (48, 640))
+        for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("algo, group, n, k, dtype, other_layouts", _int4_mma_product_cases())
+def test_int4_mma_products(algo, group, n, k, dtype, other_layouts):
     """int4 in the tensor cores' fragment layout (kernels/triton/int4_mma.py): the mma.sync product of 1-16 rows against
-    the float64 product on the same levels, and the dequantized matrix (products of more rows) equal to the engine
-    layout's, rounded to x's dtype; quant_linear of 1, 16 and 17 rows on the layout the engine loads."""
+    the float64 product on the same levels (in the sweep also in the kernel's other layouts), and the dequantized
+    matrix (products of more rows) equal to the engine layout's, rounded to x's dtype; quant_linear of 1, 16 and 17
+    rows on the layout the engine loads."""
     from kiln.kernels import TritonOptions, quant
     from kiln.kernels.triton import int4_fragments, int4_mma, tuning
     from kiln.kernels.triton.quant_linear import QuantProducts
@@ -199,7 +211,7 @@ def test_int4_mma_products(algo, group, n, k, dtype):
         # the default layout, and others: one step for all chunks (8 a warp) or many, chunks that do not fill a step,
         # 2-8 row blocks a program (row blocks that do not fill a program)
         layouts = [None, (4, 2, 1), (4, 8, 1), (16, 1, 1), (2, 4, 1), (4, 2, 2), (4, 1, 4), (8, 1, 8), (2, 2, 4)]
-        for mma_layout in layouts if rows in (1, 2, 9) else [None]:
+        for mma_layout in layouts if other_layouts and rows in (1, 2, 9) else [None]:
             out = int4_mma.gemv(x, packed["weight"], packed["weight_scale"], layout=mma_layout)
             assert out.dtype == dtype and rel_err(out, ref) < 5e-3, (rows, mma_layout, rel_err(out, ref))
     for rows in (1, 16, 17, 32, 33):
@@ -212,10 +224,11 @@ def test_int4_mma_products(algo, group, n, k, dtype):
         assert rel_err(out, x.double() @ weight.double().t()) < 5e-3, rows
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16", None)])
-@pytest.mark.parametrize("n, k", [(28672, 4096), (96, 256)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("algo, group, n, k, dtype", gpu_cases(
+    [(algo, group, n, k, dtype) for algo, group in (("W4A16_AWQ", 128), ("W4A16_GPTQ", 128), ("W4A16", None))
+     for n, k in ((28672, 4096), (96, 256)) for dtype in (torch.bfloat16, torch.float16)],
+    default=[("W4A16_AWQ", 128, 96, 256, torch.bfloat16), ("W4A16_GPTQ", 128, 28672, 4096, torch.float16),
+             ("W4A16", None, 96, 256, torch.float16)]))
 def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype):
     """A gate/up projection on int4_mma with its 16-row blocks paired at load: the product's SiLU(gate)·up equals
     the unpaired product + silu_and_mul bit for bit (1-16 rows, the engine's and other layouts), and the float64
@@ -249,13 +262,13 @@ def test_int4_mma_gate_up_writes_silu(algo, group, n, k, dtype):
         int4_mma.gemv(x[:1], paired["weight"], paired["weight_scale"], layout=(4, 2, 1), silu=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo, group", [("W4A16_AWQ", 128), ("W4A16", None)])
-@pytest.mark.parametrize("made_shape, read_shape, gated", [((4096, 4096), (28672, 4096), True),
-                                                           ((4096, 14336), (6144, 4096), False),
-                                                           ((4096, 14336), (128256, 4096), False),
-                                                           ((384, 640), (96, 384), True)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("algo, group, made_shape, read_shape, gated, dtype", gpu_cases(
+    [(algo, group, *shapes, dtype) for algo, group in (("W4A16_AWQ", 128), ("W4A16", None))
+     for shapes in (((4096, 4096), (28672, 4096), True), ((4096, 14336), (6144, 4096), False),
+                    ((4096, 14336), (128256, 4096), False), ((384, 640), (96, 384), True))
+     for dtype in (torch.bfloat16, torch.float16)],
+    default=[("W4A16_AWQ", 128, (4096, 4096), (28672, 4096), True, torch.bfloat16),
+             ("W4A16", None, (4096, 14336), (6144, 4096), False, torch.float16)]))
 def test_int4_mma_folds_the_residual_norm(algo, group, made_shape, read_shape, gated, dtype):
     """int4_mma at one row with the RMSNorm between two products folded in: o/down adding the residual
     (equal to the unfused product + add_rms_norm's sum, bit for bit), storing the sum times the norm's weight (equal

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, interpreted, on_gpu, rel_err
+from conftest import DEVICE, gpu_cases, interpreted, on_gpu, rel_err
 from kiln.kernels import ReferenceOps, quant, reference
 from kiln.kernels.rotary import rope_cos_sin
 
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, cols", [(1, 4096), (7, 576), (300, 8192), (33, 5120)])
+@pytest.mark.parametrize("rows, cols", gpu_cases([(1, 4096), (7, 576), (300, 8192), (33, 5120)],
+                                                 default=[(1, 4096), (300, 8192)]))
 def test_norm_activation_and_rope_kernels(rows, cols):
     from kiln.kernels.triton import norms
     from kiln.kernels.triton.rope_cache import rope_and_cache

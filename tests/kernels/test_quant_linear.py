@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, interpreted, on_gpu, rel_err
+from conftest import DEVICE, gpu_cases, interpreted, on_gpu, rel_err
 from kiln.kernels import quant
 
 pytest.importorskip("triton")
@@ -102,12 +102,15 @@ def test_half_scales_only_where_fp16_holds_them(gemv_products):
 # --- the decode GEMV ----------------------------------------------------------------------------------------------
 def _gemv_cases():
     """Under the interpreter an explicit configuration each (20 rows: a partial program; 576 columns: a short last
-    group of 64 and an uneven count of blocks); on the GPU the engine's, and for W4A16_AWQ at one row every
-    configuration the suite sweeps (tuning.GEMV_SWEEP)."""
+    group of 64 and an uneven count of blocks); on the GPU the engine's (the default run: one shape a format), and in
+    the sweep for W4A16_AWQ at one row every configuration the suite sweeps (tuning.GEMV_SWEEP)."""
+    shapes = ((4096, 4096), (1000, 14336), (256, 576))
+    sharp = {"W8A16": (4096, 4096), "W4A16": (1000, 14336), "W4A16_GPTQ": (256, 576), "W4A16_AWQ": (4096, 4096)}
     return ([interpreted(algo, n, k, [config]) for algo in WEIGHT_ONLY
              for n, k, config in ((16, 256, (8, 32, True)), (20, 576, (8, 32, False)), (8, 2048, (4, 64, True)))]
-            + [on_gpu(algo, n, k, [None, *GEMV_SWEEP] if algo == "W4A16_AWQ" else [None]) for algo in WEIGHT_ONLY
-               for n, k in ((4096, 4096), (1000, 14336), (256, 576))])
+            + [on_gpu(algo, *sharp[algo], [None]) for algo in WEIGHT_ONLY]
+            + [on_gpu(algo, n, k, [None, *GEMV_SWEEP] if algo == "W4A16_AWQ" else [None], slow=True)
+               for algo in WEIGHT_ONLY for n, k in shapes if algo == "W4A16_AWQ" or (n, k) != sharp[algo]])
 
 
 # backend: (x from uniform [0, 1) values, tolerance): x has a mean away from 0, as activations have (zero points
@@ -202,9 +205,11 @@ def test_interpreted_tiled_matmul_reads_both_layouts(gemv_products, algo, half):
         assert rel_err(gemv_products.linear(x, algo, p, None), ref) < 1e-5, interleaved
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo", [*WEIGHT_ONLY, "W8A8_SQ_PER_CHANNEL_PER_TOKEN", "FP8_PER_CHANNEL_PER_TOKEN"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("algo, rows", gpu_cases(
+    [(algo, rows) for algo in (*WEIGHT_ONLY, "W8A8_SQ_PER_CHANNEL_PER_TOKEN", "FP8_PER_CHANNEL_PER_TOKEN")
+     for rows in (1, 2, 3, 4, 7, 64)],
+    default=[(algo, rows) for algo in WEIGHT_ONLY for rows in (3, 64)]                 # the GEMV and the tiles
+    + [("W8A8_SQ_PER_CHANNEL_PER_TOKEN", 7), ("FP8_PER_CHANNEL_PER_TOKEN", 1)]))
 def test_quantized_matmul_kernels(algo, rows):
     """quant_linear on the layout the engine loads (weight-only: interleaved, GEMV up to 4 rows, tiles above) and
     on the engine layout itself; 576 columns: a short last group of 64."""
@@ -227,8 +232,8 @@ HALF_SCALES = {"interpreter": ((1, 2, 3, 4, 5), lambda u: u * 2 - 0.5, 0.02, 1e-
 
 
 @pytest.mark.parametrize("backend, n, k, seed", [interpreted(40, 256, 256), interpreted(40, 576, 576),
-                                                 on_gpu(6144, 4096, 6144), on_gpu(4096, 14336, 4096),
-                                                 on_gpu(1536, 576, 1536)])
+                                                 on_gpu(1536, 576, 1536), on_gpu(6144, 4096, 6144, slow=True),
+                                                 on_gpu(4096, 14336, 4096, slow=True)])
 def test_half_scale_pairs(backend, n, k, seed, gemv_products):
     """int4 g128 with zero points in the GPU layout keeps scales and zero points as fp16 pairs (one int32 per
     group: half the bytes of the float32 grid): the GEMV (1-4 rows), the tiled kernel (5-64 rows), dequantize +

@@ -1,7 +1,7 @@
 """kernels/triton/weight_only.py (weight-only W4A16/W8A16 products of more rows than the decode GEMV takes) against a
 float64 product of the dequantized weight (kernels/quant.py): under Triton's interpreter on the CPU (marker
 `interpreter`: in the process tests/kernels/test_interpreter.py starts) and compiled on real 8B shapes (`pytest -m
-gpu`, skipped without a GPU)."""
+gpu`, the sweep `-m gpu_slow`; skipped without a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -61,8 +61,13 @@ PRODUCTS = {"interpreter": (((5, torch.float16), (17, torch.float32), (64, torch
             "cuda": (tuple((m, torch.bfloat16) for m in (8, 64, 128, 512)), False, ("public", "tiled", "dequantized"))}
 
 
+# the default GPU run: one 8B shape a format; the sweep: the others
+SHARP = {"W4A16_AWQ": (4096, 14336), "W4A16": (6144, 4096), "W8A16": (28672, 4096)}
+
+
 @pytest.mark.parametrize("backend, algo, group, n, k", [interpreted(algo, group, 80, 544) for algo, group in FORMATS]
-                         + [on_gpu(algo, group, n, k) for algo, group in GPU_FORMATS for n, k in GPU_SHAPES])
+                         + [on_gpu(algo, group, n, k, slow=(n, k) != SHARP[algo]) for algo, group in GPU_FORMATS
+                            for n, k in GPU_SHAPES])
 def test_weight_only_matmul_matches_the_reference(backend, algo, group, n, k):
     """Under the interpreter 544 columns: 4.25 groups of 128 and 8.5 of 64 (a short last group) and no whole number
     of 64- or 128-column steps; 80 rows: a partial tile of weight rows; 300 rows of x: several partial tiles of them.
@@ -87,8 +92,10 @@ VARIANTS = {"interpreter": (48, 544, (9,), torch.float32, (1, 3), dict(block_n=3
 @pytest.mark.parametrize("backend, algo, group, unpack",
                          [interpreted(algo, group, unpack) for algo, group in [("W8A16", None), ("W4A16_AWQ", 128),
                                                                                ("W4A16", None)] for unpack in UNPACKS]
-                         + [on_gpu(algo, group, unpack) for algo, group in [("W4A16_AWQ", 64), ("W4A16", None),
-                                                                            ("W8A16", None)] for unpack in UNPACKS])
+                         + [on_gpu(algo, group, unpack, slow=(algo, unpack) not in (("W4A16_AWQ", "PLANES"),
+                                                                                   ("W8A16", "RESHAPE")))
+                            for algo, group in [("W4A16_AWQ", 64), ("W4A16", None), ("W8A16", None)]
+                            for unpack in UNPACKS])
 def test_unpacking_and_split_k_variants(backend, algo, group, unpack):
     """Each way of unpacking a tile's levels, split-K on and off, both layouts (configurations the tensor-core kernel
     does not take passed over), and dequantize + cuBLAS on the same weights; on the GPU 1000 × 2080: a short last

@@ -1,21 +1,22 @@
-"""Whole models on the GPU (`pytest -m gpu`, skipped without one): an 8B-shaped Llama's logits against
-transformers, greedy tokens against the CPU path in float32 (float, weight-only quantized, 8-bit KV caches), and the
-RMSNorm folded into int4_mma's products against the same engine without the fold."""
+"""Whole models on the GPU (`pytest -m gpu`, the sweep `-m gpu_slow`; skipped without one): an 8B-shaped Llama's
+logits against transformers, greedy tokens against the CPU path in float32 (float, weight-only quantized, 8-bit KV
+caches), and the RMSNorm folded into int4_mma's products against the same engine without the fold."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import rel_err, tiny_hf_configs
+from conftest import gpu_cases, random_smollm2, rel_err, tiny_hf_configs
 from kiln import LLM, BuildConfig, SamplingConfig
 
-pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
-def test_llama31_8b_shape_logits_match_transformers():
-    """Against transformers bf16 and float32 on the same random weights. The weights are drawn with std 0.005:
-    at transformers' default 0.02 its own bf16 path departs 7% from float32 per layer (bf16 rotary products;
+@pytest.mark.parametrize("layers", gpu_cases([2, 32], default=[2]))
+def test_llama31_8b_shape_logits_match_transformers(layers):
+    """Against transformers bf16 and float32 on the same random weights: two layers of the 8B shape (its every
+    product, its vocabulary) in the default run, all 32 in the sweep. The weights are drawn with std 0.005: at
+    transformers' default 0.02 its own bf16 path departs 7% from float32 per layer (bf16 rotary products;
     benchmarks/diag_ops.py), five times Kiln's 1%, so no bf16 pair could agree to 2e-2 end to end."""
     import transformers
 
@@ -26,7 +27,7 @@ def test_llama31_8b_shape_logits_match_transformers():
     rope = {"rope_type": "llama3", "rope_theta": shape["rotary_base"], **{k: v for k, v in shape["rope_scaling"].items()
                                                                              if k != "type"}}
     cfg = transformers.LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-                                   intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                                   intermediate_size=shape["intermediate_size"], num_hidden_layers=layers,
                                    num_attention_heads=shape["num_attention_heads"],
                                    num_key_value_heads=shape["num_key_value_heads"], rms_norm_eps=1e-5,
                                    max_position_embeddings=131072, rope_parameters=rope, initializer_range=0.005)
@@ -53,15 +54,15 @@ def test_llama31_8b_shape_logits_match_transformers():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", gpu_cases(["smollm2-135m", "llama", "mistral", "qwen2"],
+                                           default=["smollm2-135m", "mistral"]))
 def test_greedy_tokens_equal_the_cpu_path_in_float32(name):
     import transformers
 
-    from kiln.benchmark import shape_config
     from kiln.models import LlamaForCausalLM
 
     if name == "smollm2-135m":
-        model = LlamaForCausalLM.random(shape_config(name, "float32"), seed=1, std=0.05)
+        model = random_smollm2("float32", 1)
     else:
         torch.manual_seed(0)
         model = LlamaForCausalLM.from_hugging_face(transformers.AutoModelForCausalLM.from_config(tiny_hf_configs()[name]))
@@ -74,6 +75,7 @@ def test_greedy_tokens_equal_the_cpu_path_in_float32(name):
     assert tokens["cuda"] == tokens["cpu"]
 
 
+@pytest.mark.gpu
 def test_int4_mma_model_folds_its_norms(monkeypatch):
     """A bf16 W4A16_AWQ model whose every layer int4_mma takes: CUDA-graph decode steps with the RMSNorms folded
     into the products (TritonOptions.fold_norms) give the greedy tokens of the same engine without the fold, and the
@@ -122,8 +124,9 @@ def test_int4_mma_model_folds_its_norms(monkeypatch):
         _same_greedy_tokens_up_to_ties(plain.outputs[0], fused.outputs[0], tie=3e-2)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("algo", ["W8A16", "W4A16_AWQ"])
+@pytest.mark.parametrize("algo, fused", gpu_cases([(algo, fused) for fused in (False, True)
+                                                   for algo in ("W8A16", "W4A16_AWQ")],
+                                                  default=[("W8A16", False), ("W4A16_AWQ", True)]))
 def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
     """A SmolLM2-shaped weight-only model in float32: CUDA-graph decode steps through the interleaved weights give
     the reference's greedy tokens (ReferenceOps on the CPU: CpuOps computes int8/int4 layers in bf16), with the
@@ -137,13 +140,7 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
         TritonOptions(silu_in_gemv=(), int4_mma="off", fold_norms=False)
     monkeypatch.setattr(model_runner, "select_ops", lambda device, *args: ReferenceOps()
                         if torch.device(device).type == "cpu" else TritonOps(options))
-    from kiln.benchmark import shape_config
-    from kiln.config import QuantConfig
-    from kiln.models import LlamaForCausalLM
-    from kiln.quantization import quantize_model
-
-    model = LlamaForCausalLM.random(shape_config("smollm2-135m", "float32"), seed=3, std=0.05)
-    model = quantize_model(model, QuantConfig(quant_algo=algo), calib_size=2, quiet=True)
+    model = random_smollm2("float32", 3, algo)
     build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
     prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
     outputs = {}
@@ -154,6 +151,7 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
         _same_greedy_tokens_up_to_ties(cpu.outputs[0], gpu.outputs[0])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["FP8", "INT8"])
 def test_quantized_kv_cache_model_matches_the_cpu_path(kv, monkeypatch):
     """A SmolLM2-shaped float32 model with an 8-bit KV cache: CUDA-graph decode steps (mma.sync decode attention,
@@ -162,13 +160,7 @@ def test_quantized_kv_cache_model_matches_the_cpu_path(kv, monkeypatch):
     from kiln.runtime import model_runner
     monkeypatch.setattr(model_runner, "select_ops", lambda device, *args: ReferenceOps()
                         if torch.device(device).type == "cpu" else select_ops(device, *args))
-    from kiln.benchmark import shape_config
-    from kiln.config import QuantConfig
-    from kiln.models import LlamaForCausalLM
-    from kiln.quantization import quantize_model
-
-    model = LlamaForCausalLM.random(shape_config("smollm2-135m", "float32"), seed=4, std=0.05)
-    model = quantize_model(model, QuantConfig(kv_cache_quant_algo=kv), calib_size=2, quiet=True)
+    model = random_smollm2("float32", 4, kv_cache_quant_algo=kv)
     build = BuildConfig(max_batch_size=4, max_input_len=160, max_seq_len=320)
     outputs = {}
     for device in ("cpu", "cuda"):
