@@ -129,11 +129,7 @@ def test_package_only_imports(layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_no_circle_inside_a_layer(layer, request):
-    if layer == "kernels":
-        request.applymarker(pytest.mark.xfail(reason="kiln.kernels ↔ kiln.kernels.cpu: CpuOps subclasses "
-                                                     "ReferenceOps of kiln/kernels/__init__.py, whose select_ops "
-                                                     "imports CpuOps", strict=True))
+def test_no_circle_inside_a_layer(layer):
     inside = {m for m in MODULES if layer_of(m) == layer}
     found = on_circles({m: {t for t, _ in imported_modules(m) if t in inside and t != m} for m in inside})
     assert not found, f"modules of {layer} on import circles: {found}"

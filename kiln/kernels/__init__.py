@@ -1,6 +1,6 @@
-"""Kernels, chosen once when a network is loaded: `ReferenceOps` (pure torch: the CPU path and the oracle),
-`CpuOps` (the CPU's quantized products) or `TritonOps` (NVIDIA GPUs: the kernels of kiln/kernels/triton/). All offer
-the same operations on the same shapes; `select_ops` picks one."""
+"""Kernels, chosen once when a network is loaded: `ReferenceOps` (reference_ops.py, pure torch: the CPU path and
+the oracle), `CpuOps` (cpu.py, the CPU's quantized products) or `TritonOps` (NVIDIA GPUs: the kernels of
+kiln/kernels/triton/). All offer the same operations on the same shapes; `select_ops` picks one."""
 from __future__ import annotations
 
 import functools
@@ -8,85 +8,14 @@ import sys
 
 import torch
 
-from . import quant, reference
+from . import reference
 from .fusion import DeferredNorm, NormSite, ResidualSum, SiluSite, fuse
 from .metadata import AttentionMetadata
+from .reference_ops import ReferenceOps
 from .rotary import rope_cos_sin, rope_inv_freq
-from .triton.tuning import LONG_CONTEXT, TritonOptions
+from .triton.tuning import TritonOptions
 
 CPU_KERNELS = ("fast", "reference")
-
-
-class ReferenceOps:
-    name = "reference"
-    rms_norm = staticmethod(reference.rms_norm)
-    add_rms_norm = staticmethod(reference.add_rms_norm)
-    silu_and_mul = staticmethod(reference.silu_and_mul)
-    argmax_rows = staticmethod(reference.argmax_rows)
-    moe = staticmethod(reference.moe)
-    linear = staticmethod(torch.nn.functional.linear)
-    quant_linear = staticmethod(quant.quant_linear)
-    long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
-
-    @staticmethod
-    def pack_quant(algo: str, params: dict, gated: bool = False):
-        """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout. gated: a
-        gate/up projection (without bias) read through quant_linear_silu, whose rows the kernels may reorder."""
-        return None
-
-    @classmethod
-    def quant_linear_silu(cls, x, algo: str, params: dict, bias=None):
-        """SiLU(gate)·up of a quantized gate/up projection of x."""
-        return cls.silu_and_mul(cls.quant_linear(x, algo, params, bias))
-
-    @staticmethod
-    def folds_norm(before: dict, after: dict) -> bool:
-        """Whether the residual add and RMSNorm between two quantized layers (their parameters) fold into their
-        products (kiln.kernels.fusion); the reference never folds."""
-        return False
-
-    @staticmethod
-    def decode_partitions(batch: int, max_keys: int, heads: int, kv_cache: torch.Tensor) -> tuple[int, int | None]:
-        """Split-K partitions (num_parts, part_tokens) of a decode step's attention; the reference needs none."""
-        return 1, None
-
-    # The same ops with per-token e4m3 output (quant.Fp8Rows) for a layer with FP8 activations.
-    @staticmethod
-    def rms_norm_fp8(x, weight, eps):
-        return quant.Fp8Rows.of(reference.rms_norm(x, weight, eps))
-
-    @staticmethod
-    def add_rms_norm_fp8(x, residual, weight, eps):
-        out, residual = reference.add_rms_norm(x, residual, weight, eps)
-        return quant.Fp8Rows.of(out), residual
-
-    @staticmethod
-    def silu_and_mul_fp8(x):
-        return quant.Fp8Rows.of(reference.silu_and_mul(x))
-
-    @staticmethod
-    def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
-                       kv_scale=None):
-        """Rotate q, k of the fused projection (T, (H + 2KH) D), write k, v to the cache; return q (T, H, D)."""
-        t = qkv.shape[0]
-        if "cos_sin" not in meta.scratch:                      # one gather per step, shared by all layers
-            meta.scratch["cos_sin"] = cos_sin[positions].unsqueeze(1)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k = reference.rotary(q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), positions,
-                                meta.scratch["cos_sin"])
-        reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping, kv_scale)
-        return q
-
-    @staticmethod
-    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
-        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
-
-    @classmethod
-    def rope_cache_attention(cls, qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads,
-                             head_dim, scale: float, sliding_window: int | None, kv_scale=None):
-        """rope_and_cache then attention: the attention output (T, H, D) of the fused projection qkv."""
-        q = cls.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
-        return cls.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
 
 class TritonOps(ReferenceOps):

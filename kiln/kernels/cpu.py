@@ -9,13 +9,16 @@ about 3e-3 relative error on top of the weights' own rounding (int8: ~1e-2, int4
 computes exactly as the reference does."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from . import ReferenceOps, quant, reference
+from . import quant, reference
 from .metadata import AttentionMetadata
+from .reference_ops import ReferenceOps
 
 INT8_LAYOUT = "cpu_int8"     # weight int8 (out, in) as stored; weight_scale bfloat16 (out,)
 INT4_LAYOUT = "cpu_int4"     # weight: _convert_weight_to_int4pack_for_cpu; weight_scale: scales_and_zeros
@@ -82,28 +85,34 @@ def pack_dense(algo: str, params: dict) -> dict:
 
 
 # --- which product a layer gets --------------------------------------------------------------------------------
-@functools.cache
-def int8_kernel_works() -> bool:
-    """Whether this torch has the int8 product and it computes what we think (checked once on a small matrix)."""
-    return _agrees("W8A16", {"weight": torch.arange(-64, 64, dtype=torch.int8).reshape(4, 32),
-                             "weight_scale": torch.tensor([0.5, 1.0, 2.0, 0.25])})
+@dataclasses.dataclass(frozen=True)
+class CpuKernels:
+    """The products CpuOps runs int8 and int4 layers on, each (x, packed weight, packed scales) → x · wᵀ in
+    bfloat16: PyTorch's own unless another is given (a test stands in a torch without them). Each is checked once
+    on a small matrix before a layer is packed for it; one that fails leaves those layers on the dequantized
+    weight."""
+
+    int8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = int8_product
+    int4: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = int4_product
 
 
 @functools.cache
-def int4_kernel_works() -> bool:
-    """The same for the int4 product, on a matrix whose zero points and levels are all different."""
-    levels = (torch.arange(16 * 64) % 15).reshape(16, 64).to(torch.uint8)
-    scale = torch.linspace(0.25, 2.0, 32).reshape(16, 2)
-    return _agrees("W4A16_AWQ", {"weight": quant.pack_int4(levels), "weight_scale": scale,
-                                 "weight_zero": torch.linspace(0.0, 15.0, 32).reshape(16, 2)})
-
-
-def _agrees(algo: str, params: dict) -> bool:
+def kernel_works(product: Callable, bits: int) -> bool:
+    """Whether `product` (the int8 one or the int4 one) exists in this torch and computes what we think, checked
+    once on a small matrix (int4: zero points and levels all different)."""
+    if bits == 8:
+        algo, params = "W8A16", {"weight": torch.arange(-64, 64, dtype=torch.int8).reshape(4, 32),
+                                 "weight_scale": torch.tensor([0.5, 1.0, 2.0, 0.25])}
+    else:
+        levels = (torch.arange(16 * 64) % 15).reshape(16, 64).to(torch.uint8)
+        algo, params = "W4A16_AWQ", {"weight": quant.pack_int4(levels),
+                                     "weight_scale": torch.linspace(0.25, 2.0, 32).reshape(16, 2),
+                                     "weight_zero": torch.linspace(0.0, 15.0, 32).reshape(16, 2)}
     weight = quant.dequantize_weight(algo, params)
     x = torch.linspace(-1.0, 1.0, 2 * weight.shape[1]).reshape(2, -1)
     try:
-        packed = CpuOps.pack_kernel(algo, params)
-        out = CpuOps.quant_linear(x, algo, {**params, **packed[1], "layout": packed[0]}).float()
+        packed = CpuOps.pack_kernel(algo, params)[1]
+        out = product(x, packed["weight"], packed["weight_scale"]).float()
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     ref = x.double() @ weight.double().t()
@@ -154,10 +163,13 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None) -> tuple:
 
 
 class CpuOps(ReferenceOps):
-    """ReferenceOps with quantized layers on PyTorch's CPU kernels (chosen by select_ops for CPU devices), and
-    decode steps' attention and rotary embedding in fewer torch calls."""
+    """ReferenceOps with quantized layers on PyTorch's CPU kernels (chosen by select_ops for CPU devices; `kernels`:
+    which products), and decode steps' attention and rotary embedding in fewer torch calls."""
 
     name = "cpu"
+
+    def __init__(self, kernels: CpuKernels = CpuKernels()):
+        self.kernels = kernels
 
     @staticmethod
     def rope_and_cache(qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads, head_dim,
@@ -178,9 +190,9 @@ class CpuOps(ReferenceOps):
             return decode_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
         return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
-    @staticmethod
-    def pack_quant(algo: str, params: dict, gated: bool = False):
-        if algo == "W8A16" and int8_kernel_works() or algo.startswith("W4A16") and int4_kernel_works():
+    def pack_quant(self, algo: str, params: dict, gated: bool = False):
+        if algo == "W8A16" and kernel_works(self.kernels.int8, 8) or \
+                algo.startswith("W4A16") and kernel_works(self.kernels.int4, 4):
             return CpuOps.pack_kernel(algo, params) or (DENSE_LAYOUT, pack_dense(algo, params))
         return DENSE_LAYOUT, pack_dense(algo, params)
 
@@ -195,15 +207,18 @@ class CpuOps(ReferenceOps):
             return None
         return INT4_LAYOUT, {**pack_int4(params, kernel_group), "weight_zero": None}
 
-    @staticmethod
-    def quant_linear(x, algo: str, params: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def quant_linear(self, x, algo: str, params: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
         layout = params.get("layout")
         if layout == INT8_LAYOUT:
-            out = int8_product(x, params["weight"], params["weight_scale"]).to(x.dtype)
+            out = self.kernels.int8(x, params["weight"], params["weight_scale"]).to(x.dtype)
         elif layout == INT4_LAYOUT:
-            out = int4_product(x, params["weight"], params["weight_scale"]).to(x.dtype)
+            out = self.kernels.int4(x, params["weight"], params["weight_scale"]).to(x.dtype)
         elif layout == DENSE_LAYOUT:
             out = quant.dense_product(x, algo, params["weight"], params)
         else:
             return quant.quant_linear(x, algo, params, bias)
         return out if bias is None else out + bias
+
+    def quant_linear_silu(self, x, algo: str, params: dict, bias=None):
+        """SiLU(gate)·up through this instance's products."""
+        return self.silu_and_mul(self.quant_linear(x, algo, params, bias))

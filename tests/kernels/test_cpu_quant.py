@@ -31,9 +31,9 @@ def quantized(algo: str, w: torch.Tensor, group: int | None = None, zero: bool =
     return {"weight": packed, "weight_scale": scale, **({"weight_zero": zero_point} if zero else {})}
 
 
-def loaded(algo: str, params: dict) -> dict:
+def loaded(algo: str, params: dict, ops: cpu.CpuOps = cpu.CpuOps()) -> dict:
     """The parameters as QuantLinear hands them over after use_kernel_layout (None: a dropped buffer)."""
-    layout, tensors = cpu.CpuOps.pack_quant(algo, params)
+    layout, tensors = ops.pack_quant(algo, params)
     return {k: v for k, v in {**params, **tensors, "layout": layout}.items() if v is not None}
 
 
@@ -57,10 +57,10 @@ def test_kernel_products_match_the_float64_product(algo, group, zero):
     dequantized = quant.dequantize_weight(algo, params).double()
     for rows in ROWS:
         x = torch.randn(rows, 576, generator=g) * 2
-        out = cpu.CpuOps.quant_linear(x, algo, weights, bias)
+        out = cpu.CpuOps().quant_linear(x, algo, weights, bias)
         assert out.dtype == x.dtype and out.shape == (rows, 96)
         assert rel_err(out, x.double() @ dequantized.t() + bias.double()) < BF16_PRODUCT_ERROR, rows
-        assert rel_err(cpu.CpuOps.quant_linear(x.bfloat16(), algo, weights), x.double() @ dequantized.t()) < 2e-2
+        assert rel_err(cpu.CpuOps().quant_linear(x.bfloat16(), algo, weights), x.double() @ dequantized.t()) < 2e-2
 
 
 @pytest.mark.parametrize("out_features, in_features, group", [(40, 576, 128), (96, 80, None), (96, 48, 16)])
@@ -72,7 +72,7 @@ def test_shapes_the_int4_kernel_refuses_use_the_dequantized_weight(out_features,
     assert weights["layout"] == cpu.DENSE_LAYOUT and set(weights) == {"weight", "layout"}
     x = torch.randn(3, in_features, generator=g)
     ref = x.double() @ quant.dequantize_weight("W4A16_AWQ", params).double().t()
-    assert rel_err(cpu.CpuOps.quant_linear(x, "W4A16_AWQ", weights), ref) < 1e-6
+    assert rel_err(cpu.CpuOps().quant_linear(x, "W4A16_AWQ", weights), ref) < 1e-6
 
 
 @pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL",
@@ -89,25 +89,28 @@ def test_activation_quantized_modes_compute_as_the_reference(algo):
     assert weights["layout"] == cpu.DENSE_LAYOUT
     for rows in ROWS:
         ref = quant.quant_linear(x[:rows], algo, params, bias)
-        assert rel_err(cpu.CpuOps.quant_linear(x[:rows], algo, weights, bias), ref) < 1e-6
+        assert rel_err(cpu.CpuOps().quant_linear(x[:rows], algo, weights, bias), ref) < 1e-6
     del params["smoother"], weights["smoother"]
     if algo == "FP8_PER_CHANNEL_PER_TOKEN":
         rows = quant.Fp8Rows.of(x)
-        assert rel_err(cpu.CpuOps.quant_linear(rows, algo, weights), quant.quant_linear(rows, algo, params, None)) < 1e-6
+        assert rel_err(cpu.CpuOps().quant_linear(rows, algo, weights), quant.quant_linear(rows, algo, params, None)) < 1e-6
 
 
-def test_a_torch_without_the_kernels_falls_back_to_the_dequantized_weight(monkeypatch):
+def test_a_torch_without_the_kernels_falls_back_to_the_dequantized_weight():
+    """CpuOps over an int4 product that this torch lacks (as torch < 2.6 lacks aten._weight_int4pack_mm_for_cpu):
+    the check finds it missing, and the layer keeps the dequantized weight; the int8 product is unaffected."""
     def missing(*args):
         raise AttributeError("'_OpNamespace' 'aten' object has no attribute '_weight_int4pack_mm_for_cpu'")
 
-    monkeypatch.setattr(cpu, "int4_product", missing)
-    cpu.int4_kernel_works.cache_clear()
-    try:
-        assert not cpu.int4_kernel_works()
-        params = quantized("W4A16_AWQ", torch.randn(96, 128), 32, True)
-        assert loaded("W4A16_AWQ", params)["layout"] == cpu.DENSE_LAYOUT
-    finally:
-        cpu.int4_kernel_works.cache_clear()
+    ops = cpu.CpuOps(cpu.CpuKernels(int4=missing))
+    assert not cpu.kernel_works(missing, 4)
+    params = quantized("W4A16_AWQ", torch.randn(96, 128), 32, True)
+    assert loaded("W4A16_AWQ", params, ops)["layout"] == cpu.DENSE_LAYOUT
+    assert rel_err(ops.quant_linear(torch.ones(2, 128), "W4A16_AWQ", loaded("W4A16_AWQ", params, ops)),
+                   torch.ones(2, 128).double() @ quant.dequantize_weight("W4A16_AWQ", params).double().t()) < 1e-6
+    if TORCH_VERSION >= (2, 6):
+        assert loaded("W4A16_AWQ", params)["layout"] == cpu.INT4_LAYOUT
+    assert loaded("W8A16", quantized("W8A16", torch.randn(96, 128)), ops)["layout"] == cpu.INT8_LAYOUT
 
 
 @pytest.mark.parametrize("algo, layout", [("W8A16", cpu.INT8_LAYOUT), ("W4A16", cpu.INT4_LAYOUT),
@@ -158,7 +161,7 @@ def test_tensors_off_alignment_are_copied_first(algo):
     x = torch.randn(55 * 64 + 4, generator=g).bfloat16()[4:].view(55, 64)
     assert params["weight"].data_ptr() % 64 and x.data_ptr() % 64
     ref = x.double() @ quant.dequantize_weight(algo, params).double().t()
-    assert rel_err(cpu.CpuOps.quant_linear(x, algo, loaded(algo, params)), ref) < BF16_PRODUCT_ERROR
+    assert rel_err(cpu.CpuOps().quant_linear(x, algo, loaded(algo, params)), ref) < BF16_PRODUCT_ERROR
 
 
 def test_cpu_kernels_chosen_by_plugin_config():
