@@ -14,8 +14,9 @@ from .version import __version__
 _EXPORTS = {
     "LLM": "kiln.llm", "build": "kiln.builder", "Engine": "kiln.builder",
     "BuildConfig": "kiln.config", "ConvertConfig": "kiln.config", "KvCacheConfig": "kiln.config",
+    "LoraCacheConfig": "kiln.config", "LoraConfig": "kiln.config",
     "Mapping": "kiln.config", "PluginConfig": "kiln.config", "PretrainedConfig": "kiln.config",
-    "QuantConfig": "kiln.config", "SchedulerPolicy": "kiln.config",
+    "QuantConfig": "kiln.config", "SchedulerPolicy": "kiln.config", "LoRARequest": "kiln.runtime.request",
     "SamplingConfig": "kiln.runtime.sampling", "DecodingMode": "kiln.runtime.sampling",
     "GenerationOutput": "kiln.runtime.outputs", "CompletionOutput": "kiln.runtime.outputs",
     "GenerationResult": "kiln.runtime.executor",

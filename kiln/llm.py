@@ -13,13 +13,14 @@ import torch
 
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import BuildConfig, KvCacheConfig, Mapping, ParallelConfig, PretrainedConfig, SchedulerPolicy
+from kiln.config import (BuildConfig, KvCacheConfig, LoraCacheConfig, Mapping, ParallelConfig, PretrainedConfig,
+                         SchedulerPolicy)
 from kiln.distributed import launched_rank, rank_device
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import GenerationExecutor, GenerationResult
 from kiln.runtime.outputs import GenerationOutput
-from kiln.runtime.request import Request
+from kiln.runtime.request import LoRARequest, Request
 from kiln.runtime.sampling import DecodingMode, SamplingConfig
 from kiln.runtime.workers import STOP, Workers, check_runnable, join_ranks, serve_steps
 from kiln.tokenizer import eos_token_ids, load_tokenizer
@@ -151,7 +152,8 @@ class LLM:
                  scheduling_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
                  device: str | torch.device | None = None, quiet: bool = False,
                  parallel_config: ParallelConfig | None = None,
-                 garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False):
+                 garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False,
+                 lora_cache_config: LoraCacheConfig | None = None):
         """
         Args:
             model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
@@ -171,6 +173,8 @@ class LLM:
                 collections that pause the engine loop ~28x rarer than Python's 700; None leaves it as it is.
             skip_checksum: load an engine or Kiln checkpoint without verifying its files' checksums (faster for
                 very large engines; corruption then goes unnoticed).
+            lora_cache_config: how many LoRA adapters stay loaded on the device and on the host (requests choose
+                theirs with lora_request=LoRARequest(name, path)).
         """
         if garbage_collection_gen0_threshold is not None and garbage_collection_gen0_threshold < 1:
             raise ValueError(f"garbage_collection_gen0_threshold={garbage_collection_gen0_threshold} must be >= 1 "
@@ -200,10 +204,11 @@ class LLM:
         if enable_trt_overlap and self.engine.pretrained_config.mapping.world_size > 1:
             raise ValueError("enable_trt_overlap=True is not supported with tensor/pipeline parallelism yet")
         if self.engine.pretrained_config.mapping.world_size > 1:
-            self._start_ranks(model, kv_cache_config or KvCacheConfig(), parallel_config or ParallelConfig(),
-                              launched is not None)
+            self._start_ranks(model, kv_cache_config or KvCacheConfig(), lora_cache_config or LoraCacheConfig(),
+                              parallel_config or ParallelConfig(), launched is not None)
         self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
-                               normalize_log_probs, parallel=self._parallel, overlap=enable_trt_overlap)
+                               normalize_log_probs, parallel=self._parallel, overlap=enable_trt_overlap,
+                               lora_cache_config=lora_cache_config)
         if not quiet:
             print(self.core.memory_line, file=sys.stderr)
         failure = self._workers.failure if self._workers is not None else None
@@ -213,7 +218,8 @@ class LLM:
         if garbage_collection_gen0_threshold is not None:
             gc.set_threshold(garbage_collection_gen0_threshold, *self._gc_threshold[1:])
 
-    def _start_ranks(self, model, kv_cache_config: KvCacheConfig, parallel: ParallelConfig, launched: bool) -> None:
+    def _start_ranks(self, model, kv_cache_config: KvCacheConfig, lora_cache_config: LoraCacheConfig,
+                     parallel: ParallelConfig, launched: bool) -> None:
         """Join ranks 1..N-1: started by an external launcher, or spawned here as worker processes that load
         their shards themselves (from the engine directory, saved first when the engine was built here)."""
         import dataclasses
@@ -227,7 +233,8 @@ class LLM:
             init_method = self._workers.init_method
         self.engine.weights = {0: self.engine.weights[0]}
         self._parallel = join_ranks(self.engine, self.device, init_method, parallel.timeout_s)
-        self._parallel.broadcast(dataclasses.asdict(kv_cache_config))
+        self._parallel.broadcast({"kv_cache": dataclasses.asdict(kv_cache_config),
+                                  "lora_cache": dataclasses.asdict(lora_cache_config)})
 
     def _rank_loader(self, model):
         if self.engine.rank_loader is not None:
@@ -255,26 +262,30 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None,
-                 use_tqdm: bool | None = None):
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None):
         """Generate for one prompt (→ one GenerationOutput) or a list of prompts (→ a list, in order).
 
-        A prompt is text or a list of token ids; `sampling_config` is one config or one per prompt. Every prompt
-        is validated before any is submitted. A progress bar shows for large batches (or with use_tqdm=True)."""
+        A prompt is text or a list of token ids; `sampling_config` is one config or one per prompt; `lora_request`
+        one LoRA adapter for all, or one per prompt (None: the base model). Every prompt (and adapter) is validated
+        before any is submitted. A progress bar shows for large batches (or with use_tqdm=True)."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
                                               and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
         configs = self._configs(sampling_config, len(prompt_list))
-        requests = [self._make_request(p, c) for p, c in zip(prompt_list, configs)]
+        loras = self._loras(lora_request, len(prompt_list))
+        requests = [self._make_request(p, c, lora) for p, c, lora in zip(prompt_list, configs, loras)]
         results = [self._executor.submit(r, p, streaming=False) for r, p in zip(requests, prompt_list)]
         show = len(results) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
         outputs = [r.result() for r in _progress(results, show)]
         return outputs[0] if single else outputs
 
     def generate_async(self, prompt: Prompt, sampling_config: SamplingConfig | None = None,
-                       streaming: bool = False) -> GenerationResult:
-        """Submit one prompt; returns at once. `await` the result, `async for` its streamed outputs (each with
-        text_diff / token_ids_diff), or call `.result()`; `.abort()` stops it."""
-        request = self._make_request(prompt, sampling_config or SamplingConfig())
+                       streaming: bool = False, lora_request: LoRARequest | None = None) -> GenerationResult:
+        """Submit one prompt (under the LoRA adapter `lora_request`, if given); returns at once. `await` the result,
+        `async for` its streamed outputs (each with text_diff / token_ids_diff), or call `.result()`; `.abort()`
+        stops it."""
+        request = self._make_request(prompt, sampling_config or SamplingConfig(), lora_request)
         return self._executor.submit(request, prompt, streaming)
 
     def abort(self, request_id: int) -> None:
@@ -305,6 +316,18 @@ class LLM:
             raise ValueError(f"{len(configs)} sampling configs for {n} prompts")
         return configs
 
+    @staticmethod
+    def _loras(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them (None for the base model), got "
+                             f"{type(lora_request).__name__}")
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+        return loras
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -324,9 +347,11 @@ class LLM:
             raise ValueError("empty prompt: give at least one token")
         return ids
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingConfig) -> Request:
+    def _make_request(self, prompt: Prompt, sampling: SamplingConfig, lora: LoRARequest | None = None) -> Request:
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling_config must be a SamplingConfig, got {type(sampling).__name__}")
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest (or None), got {type(lora).__name__}")
         ids, build_limits = self._encode(prompt), self.build_config
         if len(ids) > build_limits.max_input_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the engine's max_input_len="
@@ -349,9 +374,11 @@ class LLM:
         if sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingConfig.stop needs a tokenizer; this engine has none")
         end_ids = self.eos_ids if sampling.end_id is None else ([] if sampling.end_id == -1 else [sampling.end_id])
-        self._next_request_id += 1
-        request = Request(self._next_request_id, ids, sampling, frozenset(end_ids))
+        request = Request(self._next_request_id + 1, ids, sampling, frozenset(end_ids), lora_request=lora)
         self.core.scheduler.check_fits(request)
+        if lora is not None:
+            self.core.runner.lora.register(lora)         # read and checked now: a bad adapter fails this call
+        self._next_request_id += 1
         return request
 
     def _check_decoding(self, sampling: SamplingConfig) -> None:

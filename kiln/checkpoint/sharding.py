@@ -141,6 +141,20 @@ def rank_parts(full: PretrainedConfig, weights, mapping: Mapping):
     return specs, parts()
 
 
+def shard_lora(config: PretrainedConfig, layer: str, a: torch.Tensor, b: torch.Tensor):
+    """`config.mapping.rank`'s share of a LoRA pair on the checkpoint layer `layer` (layers.3.attn.q_proj): A (r, in)
+    and B (out, r) cut as the layer's weight is, B by rows for a column-parallel layer (q/k/v, gate/up), A by input
+    columns for a row-parallel one (o, down: each rank's partial product is summed by the layer's all-reduce); the
+    other whole. None where the layer is on another pipeline stage."""
+    cut = _cutter(config, config.mapping)
+    weight = f"{layer}.weight"
+    if layer.endswith(("o_proj", "down_proj")):
+        part = cut(weight, a)
+        return None if part is None else (part.contiguous(), b)
+    part = cut(weight, b)
+    return None if part is None else (a, part.contiguous())
+
+
 def _cutter(full: PretrainedConfig, mapping: Mapping):
     """(name, tensor of the unsharded model) → the part of it `mapping.rank` holds, or None."""
     config = dataclasses.replace(full, mapping=mapping)

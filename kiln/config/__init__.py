@@ -1,14 +1,14 @@
 """Configuration dataclasses: what a model is, how it is converted and built. All validation lives here."""
-from .build import AutoParallelConfig, BuildConfig, LoraConfig, PluginConfig
+from .build import LORA_TARGET_MODULES, AutoParallelConfig, BuildConfig, LoraConfig, PluginConfig
 from .convert import ConvertConfig
 from .fields import field_docs
 from .mapping import Mapping
 from .parallel import ParallelConfig
 from .pretrained import PretrainedConfig
 from .quant import QuantConfig, excluded_modules
-from .runtime import KvCacheConfig, SchedulerPolicy
+from .runtime import KvCacheConfig, LoraCacheConfig, SchedulerPolicy
 from .yaml_file import BuildFile, ModelSection, load_build_file
 
-__all__ = ["AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig", "LoraConfig", "Mapping",
-           "ModelSection", "ParallelConfig", "PluginConfig", "PretrainedConfig", "QuantConfig", "SchedulerPolicy",
-           "excluded_modules", "field_docs", "load_build_file"]
+__all__ = ["LORA_TARGET_MODULES", "AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig",
+           "LoraCacheConfig", "LoraConfig", "Mapping", "ModelSection", "ParallelConfig", "PluginConfig",
+           "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "excluded_modules", "field_docs", "load_build_file"]

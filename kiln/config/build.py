@@ -51,7 +51,9 @@ class PluginConfig:
     float32 (as FBGEMM's FP8 inference GEMMs do), a sixth more FP8 throughput; off for
     exact float32 accumulation."""
     lora_plugin: str | None = None
-    """LoRA kernel dtype; None disables LoRA."""
+    """Kept for trtllm-build compatibility: LoRA kernel dtype, auto or the model's dtype (the builder refuses any
+    other). Kiln serves LoRA adapters on every engine, computing their products in the model's dtype, so None and
+    auto build the same engine (a note is printed when it is set)."""
     programmatic_dependent_launch: bool = True
     """On sm_90+ GPUs each kernel may start while the one before it finishes (it waits for its inputs in the
     kernel), inside CUDA graphs too; off for plain launches. Kiln's own flag: TensorRT-LLM has no such plugin."""
@@ -75,27 +77,49 @@ class PluginConfig:
         reject_unsupported(self, ["use_fp8_context_fmha", "use_fp8_cast_plugin"], "FP8 is not implemented yet")
         reject_unsupported(self, ["use_fp8_all_reduce"], "Kiln all-reduces in the model's dtype")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
-        reject_unsupported(self, ["lora_plugin"], "LoRA is not implemented yet")
+        if self.lora_plugin is not None:
+            require_choice("PluginConfig", "lora_plugin", self.lora_plugin, DTYPE_CHOICES[:1] + DTYPE_CHOICES[2:])
         require_choice("PluginConfig", "cpu_kernels", self.cpu_kernels, ("fast", "reference"))
+
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# TensorRT-LLM's names of the same projections (its lora_target_modules values)
+TRTLLM_LORA_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_dense": "o_proj",
+                       "mlp_h_to_4h": "gate_proj", "mlp_gate": "up_proj", "mlp_4h_to_h": "down_proj"}
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters compiled into the engine."""
+    """LoRA adapters the engine serves (Hugging Face PEFT adapters, chosen per request at run time)."""
 
     lora_dir: list[str] = field(default_factory=list)
-    """Directories of LoRA checkpoints."""
+    """Directories of LoRA checkpoints (not implemented: give adapters per request, LoRARequest(name, path))."""
     lora_target_modules: list[str] = field(default_factory=list)
-    """Modules that get LoRA adapters."""
+    """Projections adapters may target: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or
+    TensorRT-LLM's attn_q, attn_k, attn_v, attn_dense, mlp_h_to_4h, mlp_gate, mlp_4h_to_h); empty: all seven. An
+    adapter with weights on another projection is refused."""
     lora_ckpt_source: str = "hf"
-    """Format of the LoRA checkpoints: hf or nemo (LoRA is not implemented: only the default is accepted)."""
+    """Format of the LoRA checkpoints: hf (Hugging Face PEFT: adapter_config.json + adapter_model.safetensors or
+    .bin); nemo is refused."""
     max_lora_rank: int = 64
-    """Largest adapter rank the engine accepts (LoRA is not implemented: only the default is accepted)."""
+    """Largest adapter rank the engine accepts; an adapter of a higher rank is refused."""
 
     def __post_init__(self):
         require_choice("LoraConfig", "lora_ckpt_source", self.lora_ckpt_source, ("hf", "nemo"))
-        reject_unsupported(self, ["lora_dir", "lora_target_modules", "lora_ckpt_source", "max_lora_rank"],
-                           "LoRA is not implemented yet")
+        require_positive("LoraConfig", max_lora_rank=self.max_lora_rank)
+        known = LORA_TARGET_MODULES + tuple(TRTLLM_LORA_MODULES)
+        for name in self.lora_target_modules:
+            require(name in known, f"LoraConfig.lora_target_modules: {name!r} is not one of {', '.join(known)}")
+        reject_unsupported(self, ["lora_ckpt_source"], "NeMo adapters are not read; Hugging Face PEFT adapters are")
+        reject_unsupported(self, ["lora_dir"], "adapters are not stored with the engine yet; give each request "
+                                               "its adapter with LoRARequest(name, path)")
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        """The projections adapters may target, by their Hugging Face names (all seven when none are listed)."""
+        if not self.lora_target_modules:
+            return LORA_TARGET_MODULES
+        return tuple(dict.fromkeys(TRTLLM_LORA_MODULES.get(m, m) for m in self.lora_target_modules))
 
 
 @dataclass

@@ -28,6 +28,28 @@ class KvCacheConfig:
                 f"KvCacheConfig.free_gpu_memory_fraction={self.free_gpu_memory_fraction} must be in (0, 1]")
 
 
+@dataclass
+class LoraCacheConfig:
+    """How many LoRA adapters the runtime keeps loaded (LLM(..., lora_cache_config=...))."""
+
+    max_loras: int = 4
+    """Adapters resident on the device at once, each in a slot (the least recently used one not in the current
+    step is evicted for a new one); a step serves requests of at most this many adapters, the others wait."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory, read and checked once (the least recently used is dropped and read from disk
+    again when asked for); None: as many as max_loras. At least max_loras."""
+
+    def __post_init__(self):
+        require_positive("LoraCacheConfig", max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
+        require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                f"LoraCacheConfig.max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras} "
+                "(an adapter on the device is also kept on the host)")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 class SchedulerPolicy(enum.Enum):
     """How requests are admitted when the KV cache is short."""
 

@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 from .fusion import DeferredNorm, NormSite, ResidualSum, SiluSite, fuse
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, LoraBatch
 from .reference_ops import ReferenceOps
 from .rotary import rope_cos_sin, rope_inv_freq
 from .triton.tuning import TritonOptions
@@ -95,5 +95,5 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
         return ReferenceOps()
 
 
-__all__ = ["AttentionMetadata", "DeferredNorm", "NormSite", "ReferenceOps", "ResidualSum", "SiluSite", "TritonOps",
-           "TritonOptions", "fuse", "reference", "rope_cos_sin", "rope_inv_freq", "select_ops"]
+__all__ = ["AttentionMetadata", "DeferredNorm", "LoraBatch", "NormSite", "ReferenceOps", "ResidualSum", "SiluSite",
+           "TritonOps", "TritonOptions", "fuse", "reference", "rope_cos_sin", "rope_inv_freq", "select_ops"]

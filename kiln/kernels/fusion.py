@@ -83,7 +83,8 @@ class ProductBeforeNorm(nn.Module):
         super().__init__()
         self.linear = linear
 
-    def forward(self, x):
+    def forward(self, x, lora=None):
+        """(lora: always None: DecoderForCausalLM.check_lora refuses adapters on a network with this fusion)"""
         return PendingProduct(x, self.linear)
 
 
@@ -125,7 +126,8 @@ class Fp8Silu(nn.Module):
         super().__init__()
         self.linear, self.ops = linear, ops
 
-    def forward(self, x, silu: bool = False):
+    def forward(self, x, silu: bool = False, lora=None):
+        """(lora: always None: DecoderForCausalLM.check_lora refuses adapters on a network with this fusion)"""
         out = self.linear(x)
         return self.ops.silu_and_mul_fp8(out) if silu else out
 

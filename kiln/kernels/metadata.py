@@ -7,6 +7,15 @@ import torch
 
 
 @dataclass
+class LoraBatch:
+    """Which packed tokens of a step run under which LoRA adapter: one (slot, rows) group per adapter slot in use,
+    rows a slice of the packed tokens where they are contiguous, else an index tensor on the device. Tokens in no
+    group run on the base model alone."""
+
+    groups: list[tuple[int, slice | torch.Tensor]]
+
+
+@dataclass
 class AttentionMetadata:
     """Inputs are packed without padding: sequence b owns tokens query_start_loc[b] : query_start_loc[b+1]."""
 
@@ -20,6 +29,7 @@ class AttentionMetadata:
     num_parts: int = 1              # split-K partitions per sequence for decode attention (multi_block_mode)
     part_tokens: int | None = None  # keys per partition (None: the whole block table)
     scratch: dict = field(default_factory=dict)  # per-step values shared by all layers (built on first use)
+    lora: LoraBatch | None = None   # the step's LoRA adapters per token; None: the base model for every token
 
     @property
     def num_seqs(self) -> int:

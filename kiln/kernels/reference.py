@@ -52,6 +52,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def lora(out: torch.Tensor, x: torch.Tensor, batch, adapters: dict) -> torch.Tensor:
+    """Add the LoRA products of a step to a layer's output `out` (T, N), in place, and return it. For each group
+    (slot, rows) of `batch` (a LoraBatch: the packed tokens computed under adapter `slot`) and each part of
+    adapters[slot] on this layer (offset, A (r, in), B (n, r), scale: one target projection, writing rows
+    offset .. offset + n of a fused output), out[rows, offset:offset + n] += scale·(x[rows]·Aᵀ)·Bᵀ. A slot without
+    parts (the adapter leaves this layer alone) adds nothing."""
+    for slot, rows in batch.groups:
+        parts = adapters.get(slot)
+        if not parts:
+            continue
+        xs = x[rows]                                                        # (t, in)
+        for part in parts:
+            cols = out[:, part.offset:part.offset + part.b.shape[0]]          # (T, n): a view of out
+            shrunk = xs @ part.a.t()                                        # (t, r)
+            if isinstance(rows, slice):
+                cols[rows].addmm_(shrunk, part.b.t(), alpha=part.scale)
+            else:
+                cols.index_add_(0, rows, shrunk @ part.b.t(), alpha=part.scale)
+    return out
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """k or v in the cache's dtype: as is, or divided by its scale and rounded to int8 / cast to fp8."""
     if dtype == torch.int8:

@@ -19,6 +19,7 @@ class ReferenceOps:
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
     quant_linear = staticmethod(quant.quant_linear)
+    lora = staticmethod(reference.lora)     # TritonOps runs it too (torch on the GPU): no LoRA kernel of its own yet
     long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
 
     @staticmethod

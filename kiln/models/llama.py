@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import PretrainedConfig
-from kiln.kernels import AttentionMetadata, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin, select_ops
+from kiln.kernels import (AttentionMetadata, LoraBatch, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin,
+                          select_ops)
+from kiln.kernels.fusion import FoldedNorm, Fp8Norm, Fp8Silu, ProductBeforeNorm
 
 from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
 from kiln.checkpoint.lazy import (LazyWeights, TensorSpec, iter_take, layer_units, materialize, weight_specs,
@@ -45,10 +47,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora: dict[int, list] = {}   # adapter slot → its LoRA parts on this layer (kiln.runtime.lora installs)
 
-    def forward(self, x, silu: bool = False):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output."""
+    def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
+        """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output."""
         out = self.ops.linear(x, self.weight, self.bias)
+        if lora is not None and self.lora:
+            out = self.ops.lora(out, x, lora, self.lora)
         return self.ops.silu_and_mul(out) if silu else out
 
 
@@ -64,6 +69,7 @@ class QuantLinear(nn.Module):
         self.algo = algo
         register_quantized(self, {name: shape for name, shape in shapes.items() if name != "bias"}, algo)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora: dict[int, list] = {}   # adapter slot → its LoRA parts on this layer (kiln.runtime.lora installs)
 
     def quant_params(self) -> dict:
         # named_buffers(recurse=False) without its generator machinery: this runs for every layer of every step
@@ -79,8 +85,13 @@ class QuantLinear(nn.Module):
             for name, tensor in tensors.items():
                 setattr(self, name, tensor)
 
-    def forward(self, x, silu: bool = False):
-        """x W^T + b; silu: SiLU(gate)·up of this gate/up projection's output (its GEMV may apply it)."""
+    def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
+        """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output (its
+        GEMV may apply it when no adapter adds to it)."""
+        if lora is not None and self.lora:
+            out = self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
+            out = self.ops.lora(out, x, lora, self.lora)
+            return self.ops.silu_and_mul(out) if silu else out
         if silu:
             return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)
         return self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
@@ -129,10 +140,10 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache, cos_sin):
         t = x.shape[0]
-        out = self.ops.rope_cache_attention(self.qkv_proj(x), meta, positions, cos_sin, kv_cache, self.heads,
-                                            self.kv_heads, self.head_dim, self.scale, self.sliding_window,
-                                            self.kv_scale)                          # (T, H, D); k, v cached
-        out = self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        out = self.ops.rope_cache_attention(self.qkv_proj(x, lora=meta.lora), meta, positions, cos_sin, kv_cache,
+                                            self.heads, self.kv_heads, self.head_dim, self.scale,
+                                            self.sliding_window, self.kv_scale)     # (T, H, D); k, v cached
+        out = self.o_proj(out.reshape(t, self.heads * self.head_dim), lora=meta.lora)
         return self.comm.all_reduce(out) if self.comm.tp_size > 1 else out
 
 
@@ -147,8 +158,8 @@ class GatedMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gated = True
 
-    def forward(self, x):
-        out = self.down_proj(self.gate_up_proj(x, silu=True))
+    def forward(self, x, lora: LoraBatch | None = None):
+        out = self.down_proj(self.gate_up_proj(x, silu=True, lora=lora), lora=lora)
         return self.comm.all_reduce(out) if self.comm.tp_size > 1 else out
 
 
@@ -213,7 +224,7 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_norm(x, residual)
         x = self.attn(x, positions, meta, kv_cache, cos_sin)
         x, residual = self.post_attn_norm(x, residual)
-        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x)), residual
+        return (self.moe(x) if hasattr(self, "moe") else self.mlp(x, meta.lora)), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -297,6 +308,21 @@ class DecoderForCausalLM(nn.Module):
                 sites.append(SiluSite(f"{at}.mlp.gate_up_proj", f"{at}.mlp.down_proj"))
             before = f"{at}.mlp.down_proj" if mlp and one_rank else None
         return sites
+
+    def lora_layers(self, names) -> dict[str, Linear | QuantLinear]:
+        """The linear layers `names` (layers.0.attn.qkv_proj, ...) that LoRA adapters add to (kiln.runtime.lora). A
+        network whose kernels fuse a norm or SiLU into its linear layers (FP8 per-token activations, folded RMSNorms)
+        is refused: there the adapters' products have no plain input or output to work on."""
+        fused = [n for n, m in self.named_modules() if isinstance(m, (Fp8Norm, Fp8Silu, FoldedNorm, ProductBeforeNorm))]
+        if fused:
+            raise ValueError(f"LoRA adapters are not supported on this engine yet: its kernels fuse {fused[0]} with the "
+                             "linear layers beside it (FP8 per-token activations, or an RMSNorm folded into int4 "
+                             "products); serve adapters on a float or weight-only engine")
+        layers = {name: self.get_submodule(name) for name in names}
+        wrong = [name for name, layer in layers.items() if not isinstance(layer, (Linear, QuantLinear))]
+        if wrong:
+            raise ValueError(f"{wrong[0]} is not a linear layer of this network; no adapter part can go there")
+        return layers
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (T, hidden); a table split across ranks is looked up piecewise and combined."""

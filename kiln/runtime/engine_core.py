@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kiln.builder import Engine
-from kiln.config import KvCacheConfig, SchedulerPolicy
+from kiln.config import KvCacheConfig, LoraCacheConfig, SchedulerPolicy
 
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, StepLogits
@@ -52,10 +52,11 @@ class EngineCore:
     def __init__(self, engine: Engine, device: torch.device, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
                  enable_chunked_context: bool = False, normalize_log_probs: bool = False, parallel=None,
-                 overlap: bool = False):
+                 overlap: bool = False, lora_cache_config: LoraCacheConfig | None = None):
         """overlap: schedule and launch step N+1 before reading step N's greedy tokens (see step_overlapped)."""
         build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
-        self.runner = ModelRunner(engine, device, normalize_log_probs, parallel=parallel)
+        lora_cache = lora_cache_config or LoraCacheConfig()
+        self.runner = ModelRunner(engine, device, normalize_log_probs, parallel=parallel, lora_cache=lora_cache)
         num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device, self.runner.kv_bytes_per_token)
         if parallel is not None:                         # every rank's pool has the same blocks: the smallest fits
             num_blocks = parallel.min_over_ranks(num_blocks)
@@ -64,7 +65,7 @@ class EngineCore:
         self.runner.capture_graphs()
         self.kv = KVCacheManager(num_blocks, build.plugin_config.tokens_per_block, kv_config.enable_block_reuse)
         self.scheduler = Scheduler(self.kv, build.max_batch_size, build.max_num_tokens, scheduler_policy,
-                                   enable_chunked_context)
+                                   enable_chunked_context, lora_cache.max_loras)
         self.overlap, self.pending = overlap, None      # pending: a launched step whose tokens are not read yet
         self.overlapped_steps = 0
 
@@ -78,17 +79,17 @@ class EngineCore:
         """One forward over the scheduled tokens; returns the requests that advanced (or finished)."""
         if self.overlap:
             return self.step_overlapped()
-        out = self._schedule()
-        return _unique(self._complete(out, self.runner.launch(out))) if out else []
+        out, failed = self._schedule()
+        return _unique(failed + (self._complete(out, self.runner.launch(out)) if out else []))
 
     def step_overlapped(self) -> list[Request]:
         """Schedule and launch step N+1 while step N's greedy tokens are still on the device (they feed N+1's
         inputs there and reach the host in the background), then read step N's tokens. The host's work of
         one step overlaps the device's work of the next; sequences that step N finished have their share of
         step N+1 computed for nothing (and dropped). Steps with other sampling run as usual, in order."""
-        out = self._schedule()
+        out, failed = self._schedule()
         launch = self.runner.launch(out, self.pending, defer=True) if out else None
-        advanced = self._read(self.pending) if self.pending is not None else []
+        advanced = failed + (self._read(self.pending) if self.pending is not None else [])
         self.pending = None
         if launch is not None and launch.tokens is not None:
             self.scheduler.advance(out, pending=True)
@@ -99,11 +100,20 @@ class EngineCore:
         return _unique(advanced)
 
     def _schedule(self):
+        """(the next step, the requests ended because their LoRA adapter could not be read: not in the step)."""
         out = self.scheduler.schedule()
         for request in out.preempted:
             self.runner.forget_logits(request)
             request.context_logit_chunks = []
-        return out
+        failed = []
+        for request, err in self.runner.place_adapters(out, self.scheduler.running):
+            request.error = err
+            self.scheduler.finish_request(request, "error")
+            self.runner.release(request)
+            failed.append(request)
+        if failed:
+            out.scheduled = [entry for entry in out.scheduled if not entry[0].finished]
+        return out, failed
 
     def _complete(self, out, launch) -> list[Request]:
         """Sample a launched step's tokens and apply them (in order)."""

@@ -19,9 +19,14 @@ from .request import Sequence
 BlockKey = bytes  # SHA-256 of (the previous block's key, this block's token ids)
 
 
-def block_key(parent: BlockKey | None, tokens: list[int]) -> BlockKey:
+def block_key(parent: BlockKey | None, tokens: list[int], salt: bytes = b"") -> BlockKey:
     """The key of a full block: its token ids (8 bytes each) after its parent's key (none for the first block,
-    whose digest input is then shorter by the key's 32 bytes, so the two cannot be confused)."""
+    whose digest input is then shorter by the key's 32 bytes, so the two cannot be confused). A first block of a
+    request with a `salt` (its LoRA adapter's 32 bytes, LoRARequest.cache_salt) has the salt and one more byte
+    before its tokens: 33 bytes, a length no other first or later block's input has (modulo 8), so KV computed
+    under one adapter is never found by a request with another, or with none."""
+    if parent is None and salt:
+        return hashlib.sha256(salt + b"L" + array("q", tokens).tobytes()).digest()
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
@@ -62,13 +67,14 @@ class KVCacheManager:
         return -(-num_tokens // self.tokens_per_block)
 
     # --- prefix reuse -------------------------------------------------------------------------------------
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the sequence's leading full blocks (at least one token is left to compute)."""
+    def find_cached_prefix(self, seq: Sequence, salt: bytes = b"") -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks (at least one token is left to compute), keyed
+        with its request's `salt` (Request.cache_salt)."""
         if not self.enable_reuse:
             return []
         bs, hits, parent = self.tokens_per_block, [], None
         for i in range((seq.num_tokens - 1) // bs):
-            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs], salt)
             block = self.cached.get(key)
             if block is None:
                 break
@@ -84,14 +90,15 @@ class KVCacheManager:
         seq.block_ids = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.tokens_per_block
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Make the sequence's computed full blocks findable by later sequences."""
+    def register_full_blocks(self, seq: Sequence, salt: bytes = b"") -> None:
+        """Make the sequence's computed full blocks findable by later sequences (of a request with the same
+        `salt`)."""
         if not self.enable_reuse:
             return
         bs = self.tokens_per_block
         keys = seq.block_keys
         for i in range(len(keys), seq.num_computed_tokens // bs):
-            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs])
+            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], salt)
             block = seq.block_ids[i]
             if key not in self.cached and self.keys[block] is None:
                 self.cached[key], self.keys[block] = block, key

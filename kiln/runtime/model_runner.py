@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.builder import Engine
+from kiln.config import LoraCacheConfig
 from kiln.kernels import AttentionMetadata, TritonOptions, select_ops
 from kiln.models import model_class
 
 from . import sampler
 from .beam_search import beams_to_keep
 from .kernel_cache import count_entries, install
+from .lora import LoraManager
 from .request import PENDING_TOKEN, Request, Sequence
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 from .step import Step, split_step
@@ -63,7 +65,7 @@ class Launch:
 
 class ModelRunner:
     def __init__(self, engine: Engine, device: torch.device, normalize_log_probs: bool = False, rank: int = 0,
-                 parallel=None):
+                 parallel=None, lora_cache: LoraCacheConfig | None = None):
         config, build = engine.pretrained_config, engine.build_config
         self.config, self.device, self.normalize_log_probs = config, device, normalize_log_probs
         self.parallel = parallel                       # a kiln.distributed.ParallelContext when world_size > 1
@@ -89,6 +91,8 @@ class ModelRunner:
         self.kernels_compiled_at_load: int | None = None
         self.generators: dict[tuple[int, int], torch.Generator] = {}
         self.last_logits: dict[int, torch.Tensor] = {}     # seq id → (V,) logits of its last computed token
+        self.lora = LoraManager(self.net, config, build.lora_config, lora_cache or LoraCacheConfig(), device)
+        self._adapters: tuple[dict[str, int], list] | None = None    # the next launch's (slots, loads)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -177,6 +181,24 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
+    def place_adapters(self, out: SchedulerOutput, running: list[Request]) -> list[tuple[Request, Exception]]:
+        """Put the LoRA adapters of the step's requests into device slots for the next `launch`; returns the
+        requests whose adapter could not be read (with why). Nothing to do while no adapter was ever asked for."""
+        self._adapters = None
+        if not self.lora.known or all(r.lora_request is None for r, _, _ in out.scheduled):
+            return []
+        slots, loads, failed = self.lora.assign([r for r, _, _ in out.scheduled], running)
+        self._adapters = slots, loads
+        return failed
+
+    def _lora_slots(self, out: SchedulerOutput) -> tuple[list[int] | None, list]:
+        """(adapter slot of each scheduled sequence, -1 for none; adapters installed for this step)."""
+        if self._adapters is None:
+            return None, []
+        slots, loads = self._adapters
+        self._adapters = None
+        return [-1 if r.lora_request is None else slots[r.lora_request.name] for r, _, _ in out.scheduled], loads
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: "Launch | None" = None, defer: bool = False) -> "Launch":
         """Start a step on the device. PENDING_TOKEN inputs are taken on the device from `previous`'s sampled
@@ -187,7 +209,8 @@ class ModelRunner:
         context = self._context_rows(out, starts) if self.gather_context_logits else []
         step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
                     max(n for _, _, n in out.scheduled), max(seq_lens),
-                    [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows])
+                    [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows],
+                    *self._lora_slots(out))
         if self.parallel is not None:
             self.parallel.broadcast(step)
         fill = self._pending_inputs(out, starts, previous)
@@ -239,11 +262,11 @@ class ModelRunner:
     def run_step(self, step: Step, fill=None) -> torch.Tensor | None:
         """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32, or the model's
         dtype from a CUDA graph). Steps where every sequence computes its one next token replay a CUDA graph when
-        there is one. `fill`: (packed rows, device tokens) to put into the input ids on the device (tokens not on
-        the host yet)."""
+        there is one (and no sequence runs a LoRA adapter). `fill`: (packed rows, device tokens) to put into the
+        input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
-                and self.graphs.fits(n)):
+                and self.graphs.fits(n) and step.lora_slots is None):
             self._copy_blocks(step.block_copies)
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                                    step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill)
@@ -263,7 +286,7 @@ class ModelRunner:
                                  seq_lens=self._tensor(step.seq_lens),
                                  block_tables=self._tensor([t + [0] * (width - len(t)) for t in step.block_tables]),
                                  max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-                                 tokens_per_block=self.tokens_per_block)
+                                 tokens_per_block=self.tokens_per_block, lora=self.lora.batch(step))
         if step.max_query_len == 1:
             meta.num_parts, meta.part_tokens = self._graph_parts(len(step.seq_lens), step.max_seq_len)
         return meta
@@ -399,6 +422,7 @@ class ModelRunner:
     def close(self) -> None:
         """Give back the device memory: the network's weights, the KV cache, the graphs and their pools."""
         self.graphs, self.net, self.kv_caches = None, None, []
+        self.lora.close()
         self.generators.clear()
         self.last_logits.clear()
         gc.collect()                           # graphs and the network hold reference cycles

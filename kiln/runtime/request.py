@@ -6,7 +6,9 @@ or num_beams beams forks into that many sequences, which share the prompt's KV-c
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +30,34 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter to generate with: `name` stands for it in this LLM (one path per name), `path` is its
+    Hugging Face PEFT directory (adapter_config.json + adapter_model.safetensors or .bin), `id` an optional number
+    for it (one name per id)."""
+
+    name: str
+    path: str | None = None
+    id: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LoRARequest.name must be a non-empty string, got {self.name!r}")
+        if self.path is None:
+            raise ValueError(f"LoRARequest {self.name!r}: give the adapter's directory (path)")
+        if not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"LoRARequest.path must be a directory path, got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if self.id is not None and (not isinstance(self.id, int) or isinstance(self.id, bool) or self.id < 1):
+            raise ValueError(f"LoRARequest.id must be a positive integer or None, got {self.id!r}")
+
+    @property
+    def cache_salt(self) -> bytes:
+        """32 bytes the prefix cache mixes into the key of a prompt's first block (kv_cache.block_key), so KV
+        computed under this adapter is found only by requests of the same adapter."""
+        return hashlib.sha256(f"kiln-lora\0{self.name}\0{self.path}".encode()).digest()
 
 
 PENDING_TOKEN = -1   # stands for a token the device has sampled but the host has not read yet (overlap)
@@ -109,6 +139,7 @@ class Request:
     context_logit_chunks: list = field(default_factory=list)
     generation_logits: list = field(default_factory=list)
     error: Exception | None = None          # why processing this request failed; the engine ends it alone
+    lora_request: LoRARequest | None = None # the adapter it runs under (None: the base model)
 
     def __post_init__(self):
         if not self.seqs:
@@ -118,6 +149,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What keys this request's prefix blocks apart from others' (its adapter's; none for the base model)."""
+        return b"" if self.lora_request is None else self.lora_request.cache_salt
 
     @property
     def finished(self) -> bool:

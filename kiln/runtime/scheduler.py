@@ -59,9 +59,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT, chunked_context: bool = False):
+                 policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT, chunked_context: bool = False,
+                 max_loras: int | None = None):
+        """max_loras: the most LoRA adapters the running requests may use at once (the device's adapter slots);
+        a request of another adapter waits until one of them is done. None: no limit."""
         self.kv, self.max_batch_size, self.max_num_tokens = kv, max_batch_size, max_num_tokens
-        self.policy, self.chunked_context = policy, chunked_context
+        self.policy, self.chunked_context, self.max_loras = policy, chunked_context, max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pending_copies: list[tuple[int, int]] = []
@@ -144,7 +147,9 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, out: SchedulerOutput, reserved: int | None) -> int:
         """Start the first waiting request if it fits: the number of its tokens scheduled now (0: it waits).
         reserved: GUARANTEED_NO_EVICT's blocks the running requests may still need (None under other policies)."""
-        hits = [self.kv.find_cached_prefix(seq) for seq in request.seqs]
+        if not self._adapter_fits(request):
+            return 0
+        hits = [self.kv.find_cached_prefix(seq, request.cache_salt) for seq in request.seqs]
         if reserved is not None and not self._fits_reservation(request, hits, reserved):
             return 0
         plan = []
@@ -169,6 +174,13 @@ class Scheduler:
         self.running.append(request)
         out.scheduled += [(request, seq, n) for seq, n in plan]
         return sum(n for _, n in plan)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter is one the running requests use, or a slot is left for it."""
+        if request.lora_request is None or self.max_loras is None:
+            return True
+        running = {r.lora_request.name for r in self.running if r.lora_request is not None}
+        return request.lora_request.name in running or len(running) < self.max_loras
 
     def _reservation(self, request: Request) -> int:
         """Blocks a running request may still take: its worst case less the distinct blocks it holds."""
@@ -212,9 +224,9 @@ class Scheduler:
                 if pending and seq.num_computed_tokens == seq.num_tokens:
                     seq.token_ids.append(PENDING_TOKEN)
         if self.kv.enable_reuse:
-            for _, seq, _ in out.scheduled:
+            for request, seq, _ in out.scheduled:
                 if not seq.finished:
-                    self.kv.register_full_blocks(seq)
+                    self.kv.register_full_blocks(seq, request.cache_salt)
 
     def apply(self, out: SchedulerOutput, result: ModelStepOutput, fill: bool = False) -> list[Request]:
         """Append (or, with `fill`, put in place of PENDING_TOKEN) the sampled tokens; return finished requests."""

@@ -2,7 +2,7 @@
 its split into pipeline micro-batches."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,6 +19,8 @@ class Step:
     max_query_len: int
     max_seq_len: int
     logit_rows: list
+    lora_slots: list | None = None  # LoRA adapter slot of each sequence (-1: none); None: no sequence has one
+    lora_loads: list = field(default_factory=list)  # (slot, LoRARequest) installed for this step, every rank alike
 
 
 def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
@@ -40,5 +42,6 @@ def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
         batches.append((Step(step.block_copies if a == 0 else [], step.input_ids[t0:t1], step.positions[t0:t1],
                              step.slot_mapping[t0:t1], [s - t0 for s in starts[a:b + 1]], step.seq_lens[a:b],
                              step.block_tables[a:b], max(starts[i + 1] - starts[i] for i in range(a, b)),
-                             max(step.seq_lens[a:b]), [step.logit_rows[j] - t0 for j in owned]), owned))
+                             max(step.seq_lens[a:b]), [step.logit_rows[j] - t0 for j in owned],
+                             None if step.lora_slots is None else step.lora_slots[a:b]), owned))
     return batches

@@ -20,7 +20,7 @@ import traceback
 import torch
 
 from kiln.builder.engine import load_engine_rank
-from kiln.config import KvCacheConfig, ParallelConfig
+from kiln.config import KvCacheConfig, LoraCacheConfig, ParallelConfig
 from kiln.distributed import ParallelContext, free_port, init_process_group, launched_rank, rank_device
 
 from .engine_core import plan_kv_blocks
@@ -56,13 +56,17 @@ def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_
         raise ValueError(f"the engine has {mapping.world_size} ranks; rank {rank} of {world_size} processes asked")
     parallel = join_ranks(engine, device, init_method, timeout_s)
     try:
-        kv_config = KvCacheConfig(**parallel.broadcast(None))
-        runner = ModelRunner(engine, device, rank=rank, parallel=parallel)
+        settings = parallel.broadcast(None)
+        kv_config = KvCacheConfig(**settings["kv_cache"])
+        runner = ModelRunner(engine, device, rank=rank, parallel=parallel,
+                             lora_cache=LoraCacheConfig(**settings["lora_cache"]))
         blocks, _ = plan_kv_blocks(engine, kv_config, device, runner.kv_bytes_per_token)
         runner.allocate_kv(parallel.min_over_ranks(blocks))
         runner.capture_graphs()
         with torch.inference_mode():
             while (step := parallel.broadcast(None)) is not STOP:
+                for slot, lora in step.lora_loads:      # the adapters rank 0 put into slots for this step
+                    runner.lora.install(slot, lora)
                 runner.run_step(step)
     finally:
         parallel.close()
