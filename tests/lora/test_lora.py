@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy
+from peft_adapters import make_adapter, randomized
 from kiln import LLM, BuildConfig, LoraCacheConfig, LoRARequest, SamplingConfig
 from kiln.config import KvCacheConfig, ParallelConfig, PluginConfig
 from kiln.kernels import LoraBatch, reference
@@ -15,28 +16,6 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 BUILD = dict(max_batch_size=4, max_input_len=64, max_seq_len=96)
 GREEDY = SamplingConfig(max_new_tokens=10, end_id=-1)
 PROMPTS = [list(range(5, 25)), list(range(100, 109)), [256, 72, 101, 108, 108, 111], list(range(40, 70, 2))]
-
-
-def make_adapter(hf_dir, out_dir, targets, seed: int, r: int = 8, alpha: int = 16, std: float = 0.2,
-                 safetensors: bool = True, **options):
-    """A PEFT adapter on the model of hf_dir with random A and B (std `std`), saved to out_dir; returns the
-    transformers + peft model that runs it."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
-    return _randomized(get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **options)),
-                       out_dir, seed, std, safetensors)
-
-
-def _randomized(model, out_dir, seed: int, std: float, safetensors: bool = True):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-    model.save_pretrained(out_dir, safe_serialization=safetensors)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +118,7 @@ def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_path,
     from peft import LoraConfig, get_peft_model
 
     model, tokenizer = smollm2_hf
-    peft_model = _randomized(get_peft_model(copy.deepcopy(model), LoraConfig(r=16, lora_alpha=32,
+    peft_model = randomized(get_peft_model(copy.deepcopy(model), LoraConfig(r=16, lora_alpha=32,
                                                                              target_modules=ALL)),
                              tmp_path / "smol", seed=5, std=0.04)
     prompt = tokenizer.encode("The capital of France is")
