@@ -374,12 +374,23 @@ class LLM:
         if sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingConfig.stop needs a tokenizer; this engine has none")
         end_ids = self.eos_ids if sampling.end_id is None else ([] if sampling.end_id == -1 else [sampling.end_id])
+        if lora is not None and lora.path is None:
+            lora = self._stored_adapter(lora)
         request = Request(self._next_request_id + 1, ids, sampling, frozenset(end_ids), lora_request=lora)
         self.core.scheduler.check_fits(request)
         if lora is not None:
             self.core.runner.lora.register(lora)         # read and checked now: a bad adapter fails this call
         self._next_request_id += 1
         return request
+
+    def _stored_adapter(self, lora: LoRARequest) -> LoRARequest:
+        """A LoRARequest without a path: the adapter of that name stored with the engine."""
+        stored = self.engine.adapters
+        if lora.name not in stored:
+            have = f"it has {', '.join(sorted(stored))}" if stored else "it has none (LoraConfig.lora_dir)"
+            raise ValueError(f"LoRARequest {lora.name!r} has no path and the engine stores no adapter of that name "
+                             f"({have}); give the adapter's directory")
+        return LoRARequest(lora.name, stored[lora.name], lora.id)
 
     def _check_decoding(self, sampling: SamplingConfig) -> None:
         build_limits, mode = self.build_config, self.decoding_mode

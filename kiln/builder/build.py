@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from kiln.checkpoint.lazy import LazyWeights, meta_tensors
+from kiln.checkpoint.lora import load_adapter
 from kiln.config import BuildConfig, Mapping
 from kiln.models import PretrainedModel
 from kiln.utils.steps import StepLog
@@ -35,7 +37,8 @@ def _build_rank(model: PretrainedModel, build_config: BuildConfig, quiet: bool) 
                                            device="meta")
         text = describe_network(network, build_config.profiling_verbosity) if build_config.visualize_network else None
     log.done()
-    return Engine(model.config, build_config, {model.config.mapping.rank: weights}, model.tokenizer_files, text)
+    return Engine(model.config, build_config, {model.config.mapping.rank: weights}, model.tokenizer_files, text,
+                  adapters={Path(d).name: str(d) for d in build_config.lora_config.lora_dir})
 
 
 def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -> None:
@@ -65,6 +68,9 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
         log.say("note: strongly_typed=False has no effect: Kiln engines always keep the checkpoint's dtypes")
     if not build_config.use_fused_mlp:
         log.say("note: use_fused_mlp=False has no effect: Kiln always fuses the gate and up projections")
+    lora = build_config.lora_config
+    for adapter in lora.lora_dir if config.mapping.rank == 0 else ():      # read and checked once, not per rank
+        load_adapter(adapter, config, lora.max_lora_rank, lora.target_modules, Path(adapter).name)
 
 
 def describe_network(network, verbosity: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from kiln.checkpoint.lazy import materialize
+from kiln.checkpoint.lora import adapter_files
 from kiln.checkpoint.safetensors_file import TensorReader, file_weights, write_tensors
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
@@ -22,6 +24,7 @@ from kiln.version import __version__
 
 ENGINE_FORMAT = "kiln-engine"
 KERNEL_CACHE = "triton_cache"
+ADAPTERS = "lora"          # the LoRA adapters stored with the engine: lora/<name>/ (LoraConfig.lora_dir)
 
 
 def engine_hash(pretrained_config: PretrainedConfig, build_config: BuildConfig, version: str = __version__) -> str:
@@ -43,6 +46,7 @@ class Engine:
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     network_text: str | None = None
     kernel_cache: dict[str, bytes] = field(default_factory=dict)   # compiled GPU kernels (triton_cache/)
+    adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapter name → the directory of its files
     # how another process gets rank r's engine on its device: rank_loader(r, device) (picklable), None when
     # the other ranks' weights exist only in this process
     rank_loader: Callable[[int, torch.device], "Engine"] | None = field(default=None, repr=False, compare=False)
@@ -73,6 +77,10 @@ class Engine:
             for name, data in self.kernel_cache.items():
                 (tmp / KERNEL_CACHE / name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / KERNEL_CACHE / name).write_bytes(data)
+            for name, source in self.adapters.items():
+                (tmp / ADAPTERS / name).mkdir(parents=True)
+                for file in adapter_files(source):
+                    shutil.copyfile(file, tmp / ADAPTERS / name / file.name)
             manifest = {**self.manifest(), "checksums": directory_checksums(tmp, known=digests)}
             (tmp / "config.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return Path(engine_dir)
@@ -103,8 +111,9 @@ class Engine:
         check_sequence_fits(pretrained, build, torch.device(device))
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
+        adapters = {p.name: str(p) for p in sorted((engine_dir / ADAPTERS).glob("*")) if p.is_dir()}
         return cls(pretrained, build, {rank: weights}, read_tokenizer_files(engine_dir), kernel_cache=kernels,
-                   rank_loader=functools.partial(load_engine_rank, str(engine_dir), verify=verify))
+                   adapters=adapters, rank_loader=functools.partial(load_engine_rank, str(engine_dir), verify=verify))
 
 
 def check_engine_weights(weights: dict[str, torch.Tensor], config: PretrainedConfig, source: str) -> None:

@@ -151,6 +151,13 @@ def check_features(peft: dict, where: str) -> None:
                              f"{', '.join(LORA_TARGET_MODULES)})")
 
 
+def adapter_files(path: str | Path) -> list[Path]:
+    """The files of the adapter directory `path` that Kiln reads (its config and weights), to store it elsewhere."""
+    path = Path(path)
+    _read_config(path, f"LoRA adapter {path}")
+    return [path / CONFIG_FILE, _weights_file(path, f"LoRA adapter {path}")]
+
+
 def _weights_file(path: Path, where: str) -> Path:
     for file in WEIGHT_FILES:
         if (path / file).is_file():

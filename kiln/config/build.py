@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from .fields import from_dict, reject_unsupported, require, require_choice, require_positive, to_dict
@@ -93,7 +94,9 @@ class LoraConfig:
     """LoRA adapters the engine serves (Hugging Face PEFT adapters, chosen per request at run time)."""
 
     lora_dir: list[str] = field(default_factory=list)
-    """Directories of LoRA checkpoints (not implemented: give adapters per request, LoRARequest(name, path))."""
+    """Directories of Hugging Face PEFT adapters to store with the engine, checked against the model at build; each
+    is then served by its directory's name (LoRARequest(name), no path needed). Other adapters can still be given
+    per request with their path."""
     lora_target_modules: list[str] = field(default_factory=list)
     """Projections adapters may target: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or
     TensorRT-LLM's attn_q, attn_k, attn_v, attn_dense, mlp_h_to_4h, mlp_gate, mlp_4h_to_h); empty: all seven. An
@@ -111,8 +114,10 @@ class LoraConfig:
         for name in self.lora_target_modules:
             require(name in known, f"LoraConfig.lora_target_modules: {name!r} is not one of {', '.join(known)}")
         reject_unsupported(self, ["lora_ckpt_source"], "NeMo adapters are not read; Hugging Face PEFT adapters are")
-        reject_unsupported(self, ["lora_dir"], "adapters are not stored with the engine yet; give each request "
-                                               "its adapter with LoRARequest(name, path)")
+        names = [PurePath(d).name for d in self.lora_dir]
+        twice = sorted(n for n in names if names.count(n) > 1)
+        require(not twice, f"LoraConfig.lora_dir: two adapter directories have the same name ({twice[:1]}); an "
+                "adapter is served by its directory's name")
 
     @property
     def target_modules(self) -> tuple[str, ...]:

@@ -35,8 +35,8 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter to generate with: `name` stands for it in this LLM (one path per name), `path` is its
-    Hugging Face PEFT directory (adapter_config.json + adapter_model.safetensors or .bin), `id` an optional number
-    for it (one name per id)."""
+    Hugging Face PEFT directory (adapter_config.json + adapter_model.safetensors or .bin; None: the adapter of that
+    name stored with the engine, LoraConfig.lora_dir), `id` an optional number for it (one name per id)."""
 
     name: str
     path: str | None = None
@@ -45,11 +45,10 @@ class LoRARequest:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"LoRARequest.name must be a non-empty string, got {self.name!r}")
-        if self.path is None:
-            raise ValueError(f"LoRARequest {self.name!r}: give the adapter's directory (path)")
-        if not isinstance(self.path, (str, os.PathLike)):
-            raise ValueError(f"LoRARequest.path must be a directory path, got {self.path!r}")
-        object.__setattr__(self, "path", os.fspath(self.path))
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"LoRARequest.path must be a directory path (or None), got {self.path!r}")
+        if self.path is not None:
+            object.__setattr__(self, "path", os.fspath(self.path))
         if self.id is not None and (not isinstance(self.id, int) or isinstance(self.id, bool) or self.id < 1):
             raise ValueError(f"LoRARequest.id must be a positive integer or None, got {self.id!r}")
 

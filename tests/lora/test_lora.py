@@ -111,6 +111,32 @@ def test_tensor_parallel_adapters_equal_one_rank(tiny_models, adapters):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == expected
 
 
+def test_adapters_stored_with_the_engine_are_served_by_name(tiny_models, adapters, tmp_path):
+    """BuildConfig.lora_config.lora_dir: adapters checked at build, copied into the saved engine (lora/<name>/),
+    served by name from it after their directories are gone; the same in memory, before the engine is saved. An
+    adapter over max_lora_rank is refused at build."""
+    import shutil
+
+    from kiln import LoraConfig
+
+    hf_dir, _ = tiny_models["llama"]
+    for name in ("all", "kv_mlp"):
+        shutil.copytree(adapters[name][0].path, tmp_path / "src" / name)
+    lora = LoraConfig(lora_dir=[str(tmp_path / "src" / "all"), str(tmp_path / "src" / "kv_mlp")], max_lora_rank=8)
+    expected = [hf_greedy(adapters[name][1], PROMPTS[0], GREEDY.max_new_tokens) for name in ("all", "kv_mlp")]
+    by_name = [LoRARequest("all"), LoRARequest("kv_mlp")]
+    with _llm(hf_dir, build={"lora_config": lora}) as llm:
+        assert [o.token_ids for o in llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=by_name)] == expected
+        llm.save(tmp_path / "engine")
+    shutil.rmtree(tmp_path / "src")
+    assert sorted(p.name for p in (tmp_path / "engine" / "lora" / "all").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    with LLM(tmp_path / "engine", quiet=True, device="cpu") as llm:
+        assert [o.token_ids for o in llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=by_name)] == expected
+    with pytest.raises(ValueError, match="has rank 8, over the engine's max_lora_rank=4"):
+        _llm(hf_dir, build={"lora_config": LoraConfig(lora_dir=[adapters["all"][0].path], max_lora_rank=4)})
+
+
 @pytest.mark.slow
 def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_path, smollm2_hf, tmp_path):
     import copy

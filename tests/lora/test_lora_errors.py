@@ -141,8 +141,9 @@ def test_one_name_one_adapter(llama, tmp_path):
         llm.generate([PROMPT], GREEDY, lora_request=[None, None])
     with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         llm.generate(PROMPT, GREEDY, lora_request="named")
-    with pytest.raises(ValueError, match="LoRARequest 'x': give the adapter's directory"):
-        LoRARequest("x")
+    with pytest.raises(ValueError, match=r"LoRARequest 'x' has no path and the engine stores no adapter of that "
+                                         r"name \(it has none \(LoraConfig.lora_dir\)\)"):
+        llm.generate(PROMPT, GREEDY, lora_request=LoRARequest("x"))
 
 
 def test_an_adapter_gone_from_disk_fails_its_request_alone(tiny_models, tmp_path):
@@ -181,8 +182,10 @@ def test_lora_options_are_checked():
         LoraConfig(lora_target_modules=["w1"])
     with pytest.raises(ValueError, match="lora_ckpt_source='nemo' is not supported by Kiln yet"):
         LoraConfig(lora_ckpt_source="nemo")
-    with pytest.raises(ValueError, match="lora_dir=.* is not supported by Kiln yet"):
-        LoraConfig(lora_dir=["adapter"])
+    with pytest.raises(ValueError, match="two adapter directories have the same name ..'a'.."):
+        LoraConfig(lora_dir=["x/a", "y/a"])
+    with pytest.raises(AdapterNotFound, match="LoRA adapter 'adapter' .*: no such directory"):
+        build(_random(), BuildConfig(**BUILD, lora_config=LoraConfig(lora_dir=["adapter"])), quiet=True)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive number"):
         LoraConfig(max_lora_rank=0)
     assert LoraConfig(lora_target_modules=["mlp_gate", "up_proj", "attn_q"]).target_modules == ("up_proj", "q_proj")
