@@ -160,13 +160,14 @@ def _fused_moe_cases() -> list:
     """Under the interpreter float32 and float16: one token, more tokens than a block (not a multiple), all to one
     expert (the others none), and a rank holding experts 2-3 of 4 (expert parallel: the other entries add nothing).
     On the GPU bfloat16 over token counts that pick every block size (kernels/triton/tuning.MOE_CONFIGS) for float
-    experts and the decode and prefill sizes for the others (the default run: one count of each block size; the
+    experts and the decode and prefill sizes for the others (the default run: one count of each of those sizes; the
     sweep: the others), and float16 (float32 runs in the tiny Mixtral of tests/models/test_moe.py)."""
     interpreter_calls = ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5))
     cases = [interpreted(algo, statics, dtype, interpreter_calls) for algo, statics in KERNEL_FORMATS
              for dtype in (torch.float32, torch.float16)]
     for algo, statics in KERNEL_FORMATS:
-        sharp, rest = ((1, 33, 100, 777), (2, 3, 16, 256, 4096)) if algo is None else ((1, 33, 777), (4096,))
+        # rows an expert gets (top-2 of 8): 1-33 tokens ≤ 16 (MOE_CONFIGS' first row), 100 ≤ 48, 256 ≤ 192
+        sharp, rest = ((1, 100, 256, 777), (2, 3, 16, 33, 4096)) if algo is None else ((1, 777), (33, 4096))
         cases += [on_gpu(algo, statics, torch.bfloat16, _calls(sharp)),
                   on_gpu(algo, statics, torch.bfloat16, _calls(rest), slow=True)]
     return cases + [on_gpu(algo, None, torch.float16, _calls((1, 300), ("random",)))
