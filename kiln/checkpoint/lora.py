@@ -72,10 +72,6 @@ class LoraAdapter:
                  for name, parts in self.modules.items()}
         return LoraAdapter(self.name, self.rank, moved)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for parts in self.modules.values() for p in parts)
-
 
 def load_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
                  target_modules: tuple[str, ...] = LORA_TARGET_MODULES, name: str | None = None) -> LoraAdapter:

@@ -66,6 +66,8 @@ def test_three_adapters_and_the_base_in_one_batch_equal_each_alone(tiny_models, 
         together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)]
         assert llm.stats()["steps"] - steps == GREEDY.max_new_tokens     # every request in every step
         swapped = llm.generate(PROMPTS[0], GREEDY, lora_request=adapters["kv_mlp"][0]).token_ids
+        streamed = llm.generate_async(PROMPTS[2], GREEDY, streaming=True, lora_request=loras[2])
+        assert [token for delta in streamed for token in delta.outputs[0].token_ids_diff] == alone[2]
     assert together == alone
     assert swapped != alone[0]
 
