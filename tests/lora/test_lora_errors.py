@@ -75,7 +75,7 @@ def test_targets_kiln_does_not_serve(llama, tmp_path):
     ({"use_dora": True}, r"use_dora=True \(DoRA"),
     ({"bias": "lora_only"}, "bias='lora_only' trains biases"),
     ({"modules_to_save": ["lm_head"]}, r"modules_to_save=\['lm_head'\] \(modules saved whole\)"),
-])
+], ids=["dora", "bias", "modules_to_save"])
 def test_peft_features_are_refused_not_ignored(llama, tmp_path, options, match):
     hf_dir, _, llm = llama
     make_adapter(hf_dir, tmp_path / "a", ["q_proj", "v_proj"], **options)
@@ -88,7 +88,7 @@ def test_peft_features_are_refused_not_ignored(llama, tmp_path, options, match):
     ({"peft_type": "IA3"}, "Kiln serves LoRA adapters only"),
     ({"a_future_option": 3}, "a_future_option=3 .a PEFT feature Kiln does not implement"),
     ({"lora_alpha": 0}, "needs a positive lora_alpha"),
-])
+], ids=["alpha_pattern", "pissa", "peft_type", "unknown_option", "zero_alpha"])
 def test_config_options_that_change_the_product_are_refused(llama, tmp_path, changes, match):
     _, good, llm = llama
     refused(llm, edited(good, tmp_path / "a", **changes), match)
