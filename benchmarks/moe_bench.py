@@ -110,7 +110,8 @@ def main() -> None:
             x = x_all[:t]
             seconds = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
-            line = (f"{name:>10} {t:>6} {moe_config(t, TOP_K, EXPERTS).block_m:>7} {seconds * 1e6:>9.1f} "
+            block_m = moe_config(t, TOP_K, EXPERTS, fp8=algo is not None and algo.startswith("FP8")).block_m
+            line = (f"{name:>10} {t:>6} {block_m:>7} {seconds * 1e6:>9.1f} "
                     f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
             print(line + (f" {check(x, router, *weights, algo):>8.1e}" if args.check else ""), flush=True)
             if args.sweep:

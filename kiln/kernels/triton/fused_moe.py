@@ -36,16 +36,16 @@ import triton.language as tl
 from ..quant import int4_group_size
 from .launch import launch_args, wait_for_inputs
 from .norms import quantize_fp8_rows, silu_mul
-from .tuning import MOE_CONFIGS, MoeConfig, MoeTile
+from .tuning import MOE_CONFIGS, MOE_FP8_CONFIGS, MOE_SHARED_MEMORY, MoeConfig, MoeTile
 
 FLOAT, FP8, INT8, INT4 = 0, 1, 2, 3          # how a projection's weights are stored (ExpertWeights.format)
 _FP8, _INT8, _INT4 = tl.constexpr(FP8), tl.constexpr(INT8), tl.constexpr(INT4)     # the same, inside kernels
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def moe_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
+def moe_config(tokens: int, top_k: int, experts: int, fp8: bool = False) -> MoeConfig:
     rows = tokens * top_k / experts
-    return next(config for bound, config in MOE_CONFIGS if rows <= bound)
+    return next(config for bound, config in (MOE_FP8_CONFIGS if fp8 else MOE_CONFIGS) if rows <= bound)
 
 
 @dataclass(frozen=True)
@@ -421,12 +421,23 @@ def _sum_top_k_kernel(partial_ptr, ids_ptr, out_ptr, T, N, FIRST, EXPERTS, TOP_K
 
 
 # --- launchers --------------------------------------------------------------------------------------------------
-def _tile(tile: MoeTile, w: ExpertWeights) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of `tile` for this projection: no wider than its shape needs, a step within one int4
-    group, at least 16 deep (32 for e4m3 dots and for int4's two dots of half a step each)."""
+def _tile(tile: MoeTile, w: ExpertWeights, block_m: int, a_bytes: int, halves: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages) of `tile` for this projection: no wider than its shape needs, a step within one
+    int4 group, at least 16 deep (32 for e4m3 dots and for int4's two dots of half a step each), and no more
+    operand stages than fit MOE_SHARED_MEMORY (fewer stages first, then shallower steps: float32 activations and
+    weights need four times e4m3's room)."""
     block_n = max(16, min(tile.block_n, triton.next_power_of_2(w.out_features)))
-    block_k = max(16 if w.format in (FLOAT, INT8) else 32, min(tile.block_k, triton.next_power_of_2(w.in_features)))
-    return block_n, min(block_k, w.group) if w.group else block_k
+    least = 16 if w.format in (FLOAT, INT8) else 32
+    block_k = max(least, min(tile.block_k, triton.next_power_of_2(w.in_features)))
+    block_k = min(block_k, w.group) if w.group else block_k
+    w_bytes = w.weight.element_size() / (2 if w.format == INT4 else 1)
+    stage = lambda k: block_m * k * a_bytes + halves * block_n * k * w_bytes  # noqa: E731
+    stages = tile.num_stages
+    while stages > 2 and stages * stage(block_k) > MOE_SHARED_MEMORY:
+        stages -= 1
+    while block_k > least and stages * stage(block_k) > MOE_SHARED_MEMORY:
+        block_k //= 2
+    return block_n, block_k, stages
 
 
 def _format_args(w: ExpertWeights, block_k: int) -> dict:
@@ -454,7 +465,7 @@ def gate_up_act(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     x_in, x_scale = quantize_fp8_rows(x, None, w.input_scale, launch) if w.format == FP8 else (x, x)
     static_act = down.format == FP8 and down.input_scale is not None
     act = torch.empty((slots, inter), dtype=torch.float8_e4m3fn if static_act else x.dtype, device=x.device)
-    block_n, block_k = _tile(config.gate_up, w)
+    block_n, block_k, stages = _tile(config.gate_up, w, config.block_m, x_in.element_size(), halves=2)
     scale, zero, groups = _scale_args(w, x)
     num_m = slots // config.block_m
     grid = (num_m * triton.cdiv(inter, block_n),)
@@ -463,7 +474,7 @@ def gate_up_act(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
                           groups, TOP_K=top_k, FP8_ACT=static_act, FAST_ACCUM=fast_accumulation,
                           PRECISION=_precision(x.dtype), DTYPE=TL_DTYPES[x.dtype], BLOCK_M=config.block_m,
                           BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.gate_up.group_m,
-                          num_warps=config.gate_up.num_warps, num_stages=config.gate_up.num_stages,
+                          num_warps=config.gate_up.num_warps, num_stages=stages,
                           **_format_args(w, block_k), **launch_args(launch))
     if down.format == FP8 and not static_act:
         return quantize_fp8_rows(act, launch=launch)
@@ -477,7 +488,7 @@ def down_partials(act: torch.Tensor, act_scale: torch.Tensor | None, sorted_ids:
     entries = weights.numel()
     n, k = w.out_features, w.in_features
     partial = torch.empty((entries, n), dtype=torch.float32, device=act.device)
-    block_n, block_k = _tile(config.down, w)
+    block_n, block_k, stages = _tile(config.down, w, config.block_m, act.element_size())
     scale, zero, groups = _scale_args(w, weights)
     num_m = sorted_ids.shape[0] // config.block_m
     grid = (num_m * triton.cdiv(n, block_n),)
@@ -486,7 +497,7 @@ def down_partials(act: torch.Tensor, act_scale: torch.Tensor | None, sorted_ids:
                        w.weight, scale, zero, partial, entries, num_m, n, k, w.weight.shape[2], groups,
                        1 if per_slot else 0, FAST_ACCUM=fast_accumulation, PRECISION=_precision(dtype),
                        BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.down.group_m,
-                       num_warps=config.down.num_warps, num_stages=config.down.num_stages,
+                       num_warps=config.down.num_warps, num_stages=stages,
                        **_format_args(w, block_k), **launch_args(launch))
     return partial
 
@@ -511,7 +522,7 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dic
     `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step)."""
     gate_up_w, down_w = expert_weights(gate_up, algo), expert_weights(down, algo)
     experts = gate_up_w.weight.shape[0]
-    config = config or moe_config(x.shape[0], top_k, experts)
+    config = config or moe_config(x.shape[0], top_k, experts, fp8=gate_up_w.format == FP8)
     launch = launch_args(launch)
     ids, weights = route(F.linear(x, router), top_k, renormalize, launch)
     sorted_ids, block_expert = align(ids, config.block_m, first_expert, experts, launch)
