@@ -10,7 +10,14 @@ Modules, one job each: `config` (settings), `app` (routes), `state` (what routes
 `errors` (OpenAI error bodies), `metrics` (Prometheus), `middleware` (request ids, log lines), `run` (uvicorn with a
 graceful stop), `static/index.html` (the chat page).
 """
-from .app import create_app
 from .config import ServerConfig
 
 __all__ = ["create_app", "ServerConfig"]
+
+
+def __getattr__(name: str):
+    """create_app imported when asked for, so that the settings (ServerConfig) import without FastAPI installed."""
+    if name == "create_app":
+        from .app import create_app
+        return create_app
+    raise AttributeError(f"module 'kiln.server' has no attribute {name!r}")

@@ -19,8 +19,8 @@ import pytest
 import kiln.config
 from conftest import save_tiny_model
 from kiln import LLM, build
-from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraConfig,
-                         Mapping, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig,
+from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraCacheConfig,
+                         LoraConfig, Mapping, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig,
                          field_docs)
 from kiln.convert import quantize
 from kiln.models import model_class
@@ -117,6 +117,7 @@ VALUES = {
         "smoothquant_val": (0.8, {"quant_algo": "W8A8_SQ_PER_CHANNEL"}), "exclude_modules": ([], {"quant_algo": "W8A16"}),
         "learned_rounding_steps": (1, {"quant_algo": "W4A16_GPTQ", "group_size": 32}),
     },
+    "LoraCacheConfig": {"max_loras": (2, {}), "max_cpu_loras": (8, {})},
     "KvCacheConfig": {
         "max_tokens": (64, {}), "free_gpu_memory_fraction": (0.5, {}), "host_cache_bytes": (1 << 20, {}),
         "enable_block_reuse": (True, {}),
@@ -287,6 +288,10 @@ def use_sampling_config(config: SamplingConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL, max_beam_width=2), quiet=True), config)
 
 
+def use_lora_cache_config(config: LoraCacheConfig, env) -> None:
+    _generate(build(_model(), BuildConfig(**SMALL), quiet=True), lora_cache_config=config)
+
+
 def use_kv_cache_config(config: KvCacheConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL), quiet=True), kv_cache_config=config)
 
@@ -323,7 +328,8 @@ CONSUMERS = {
     "AutoParallelConfig": [_inside(AutoParallelConfig)], "BuildConfig": [use_build_config],
     "ConvertConfig": [use_convert_cli, use_checkpoint_in_build_file], "Mapping": [use_mapping],
     "ParallelConfig": [use_parallel_config], "PretrainedConfig": [use_pretrained_config],
-    "QuantConfig": [use_quant_config], "KvCacheConfig": [use_kv_cache_config], "SamplingConfig": [use_sampling_config],
+    "QuantConfig": [use_quant_config], "KvCacheConfig": [use_kv_cache_config],
+    "LoraCacheConfig": [use_lora_cache_config], "SamplingConfig": [use_sampling_config],
     "ServerConfig": [use_server_config], "ModelSection": [use_model_section], "BuildFile": [use_build_file],
 }
 NAMED_CONSUMERS = {"serve": serve_parallel_config}
@@ -479,9 +485,9 @@ def test_plugin_and_lora_options_kiln_cannot_honour_are_refused():
                           ({"gemm_plugin": "disable"}, "gemm_plugin='disable' is not supported")):
         with pytest.raises(ValueError, match=words):
             PluginConfig(**kwargs)
-    for kwargs in ({"lora_ckpt_source": "nemo"}, {"max_lora_rank": 8}):
-        with pytest.raises(ValueError, match="LoRA is not implemented yet"):
-            LoraConfig(**kwargs)
+    with pytest.raises(ValueError, match="lora_ckpt_source='nemo' is not supported by Kiln yet"):
+        LoraConfig(lora_ckpt_source="nemo")
+    assert LoraConfig(max_lora_rank=8).max_lora_rank == 8
     with pytest.raises(ValueError, match="apply to the search of enabled: true"):
         AutoParallelConfig(debug_mode=True)
 
