@@ -53,7 +53,7 @@ def routed_bytes(x: torch.Tensor, router: torch.Tensor, projections) -> int:
 
 def check(x, router, gate_up, down, algo) -> float:
     """Relative error of the fused layer against the reference loop (kiln.kernels.reference.moe, the CPU path) on
-    its first 64 tokens (tests/test_gpu_moe.py holds both to a float64 oracle)."""
+    its first 64 tokens (tests/kernels/test_fused_moe.py holds both to a float64 oracle)."""
     x = x[:64]
     out = fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo).double()
     ref = reference.moe(x, router, gate_up, down, TOP_K, True, 0, algo).double()

@@ -269,7 +269,7 @@ def _us(records, fmt, shape, m, variant) -> float:
     return r["us"] if r.get("ok") else float("inf")
 
 
-# Triton's interpreter gets bf16 products wrong (tests/test_weight_only_gemm.py), so the dry run uses fp16
+# Triton's interpreter gets bf16 products wrong (tests/kernels/test_weight_only_gemm.py), so the dry run uses fp16
 X_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float16}
 
 
