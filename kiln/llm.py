@@ -291,6 +291,21 @@ class LLM:
     def abort(self, request_id: int) -> None:
         self._executor.abort(request_id)
 
+    def update_weights(self, source) -> None:
+        """Refit: replace the engine's weights with those of `source` without a rebuild — a Kiln checkpoint
+        directory, a Hugging Face directory (read in the engine's dtype) or a state dict (Hugging Face or Kiln
+        checkpoint names, the engine's dtypes) of the same architecture and shapes; a quantized engine takes weights
+        quantized the same way. The engine must be built with BuildConfig.use_refit, on one rank.
+
+        Every name, shape and dtype (and a directory's model config) is checked first, from file headers, before
+        anything is read: if anything differs, the error names the first tensor that does and nothing changes. Then
+        the engine loop applies it once the requests submitted before this call have finished (requests submitted
+        meanwhile wait, then run on the new weights: no request mixes the two), copying a layer at a time into the
+        tensors the network already holds (CUDA graphs stay valid), and forgets every cached prefix. Returns once
+        the new weights are in place."""
+        weights = self.engine.refit_source(source)
+        self._executor.run_when_idle(lambda: self.core.refit(self.engine, weights))
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (a list of {"role", "content"}) with the prompt for the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

@@ -142,8 +142,8 @@ def test_unsupported_build_fields(tiny_models, tmp_path, capsys):
         with pytest.raises(ValueError, match=pattern):
             BuildConfig(**kwargs)
     hf_dir = str(tiny_models["llama"][0])
-    assert main(["build", "--model_dir", hf_dir, "--output_dir", str(tmp_path / "e"), "--use_refit"]) == 2
-    assert "use_refit=True is not supported" in capsys.readouterr().err
+    assert main(["build", "--model_dir", hf_dir, "--output_dir", str(tmp_path / "e"), "--weight_sparsity"]) == 2
+    assert "weight_sparsity=True is not supported" in capsys.readouterr().err
     assert main(["build", "--model_dir", hf_dir, "--output_dir", str(tmp_path / "e"), "--auto_parallel", "3"]) == 2
     assert "not divisible by tp_size=3" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not _leftovers(tmp_path)

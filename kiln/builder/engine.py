@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kiln.checkpoint.lazy import materialize
+from kiln.checkpoint.lazy import LazyWeights, materialize
 from kiln.checkpoint.lora import adapter_files
 from kiln.checkpoint.safetensors_file import TensorReader, file_weights, write_tensors
 from kiln.config import BuildConfig, PretrainedConfig
@@ -21,6 +21,8 @@ from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
 from kiln.utils.checksum import directory_checksums, verify_checksums
 from kiln.utils.fs import atomic_dir, check_output_dir, read_json_object, require_dir
 from kiln.version import __version__
+
+from .refit import check_refittable, refit_source
 
 ENGINE_FORMAT = "kiln-engine"
 KERNEL_CACHE = "triton_cache"
@@ -84,6 +86,35 @@ class Engine:
             manifest = {**self.manifest(), "checksums": directory_checksums(tmp, known=digests)}
             (tmp / "config.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return Path(engine_dir)
+
+    def refit(self, source) -> None:
+        """Replace the weights with those of `source` (a Kiln checkpoint directory, a Hugging Face directory or a
+        state dict of the same architecture and shapes; quantized as the engine is), copied into the engine's
+        tensors a layer at a time. Everything is checked first (refit_source): if anything differs, nothing
+        changes. For an engine being served, LLM.update_weights."""
+        for _ in self.refit_units(self.refit_source(source)):
+            pass
+
+    def refit_source(self, source) -> LazyWeights:
+        """`source`'s weights in this engine's layout, checked against it (names, shapes, dtypes, model config),
+        nothing read yet; only a refittable engine (BuildConfig.use_refit) of one rank takes them."""
+        check_refittable(self.pretrained_config, self.build_config, len(self.weights))
+        return refit_source(source, self.pretrained_config)
+
+    def refit_units(self, weights: LazyWeights):
+        """Copy `weights` (refit_source's) into this engine's tensors a unit (a layer) at a time, yielding each unit
+        after it is copied (for a running network to copy it too). Weights that are themselves lazy (read from their
+        files when used) are replaced by `weights` once every unit went by."""
+        rank = self.pretrained_config.mapping.rank
+        held = self.weights[rank]
+        for unit in weights.units():
+            if not isinstance(held, LazyWeights):
+                with torch.no_grad():
+                    for name, tensor in unit.items():
+                        held[name].copy_(tensor)
+            yield unit
+        if isinstance(held, LazyWeights):
+            self.weights[rank] = weights
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",

@@ -206,7 +206,9 @@ class BuildConfig:
     max_draft_len: int = 0
     """Draft tokens per step for speculative decoding; 0 disables it."""
     use_refit: bool = False
-    """Build an engine whose weights can be replaced in place."""
+    """Build a refittable engine: its weights may be replaced in place by a model of the same architecture and
+    shapes (LLM.update_weights, Engine.refit) without a rebuild; refit refuses an engine built without it, as
+    TensorRT-LLM does. Stored (and hashed) in the engine's config.json."""
     input_timing_cache: str | None = None
     """A .tar of compiled GPU kernels (an earlier output_timing_cache) to start from when building on a GPU."""
     output_timing_cache: str | None = None
@@ -265,7 +267,6 @@ class BuildConfig:
         reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
         reject_unsupported(self, ["max_draft_len"], "speculative decoding is not implemented yet")
-        reject_unsupported(self, ["use_refit"], "refitting is not implemented yet")
         reject_unsupported(self, ["weight_sparsity"], "sparse weights are not implemented yet")
         reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
 

@@ -132,6 +132,15 @@ class Fp8Silu(nn.Module):
         return self.ops.silu_and_mul_fp8(out) if silu else out
 
 
+def stands_for(module: nn.Module) -> nn.Module:
+    """The module that a module of this file stands in for (the module itself when it is none of them)."""
+    if isinstance(module, (FoldedNorm, Fp8Norm)):
+        return module.norm
+    if isinstance(module, (ProductBeforeNorm, Fp8Silu)):
+        return module.linear
+    return module
+
+
 def _takes_fp8_rows(module: nn.Module | None) -> bool:
     return bool(getattr(module, "takes_fp8_rows", False))
 

@@ -12,7 +12,7 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.kernels import (AttentionMetadata, LoraBatch, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin,
                           select_ops)
-from kiln.kernels.fusion import FoldedNorm, Fp8Norm, Fp8Silu, ProductBeforeNorm
+from kiln.kernels.fusion import FoldedNorm, Fp8Norm, Fp8Silu, ProductBeforeNorm, stands_for
 
 from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
 from kiln.checkpoint.lazy import (LazyWeights, TensorSpec, iter_take, layer_units, materialize, weight_specs,
@@ -85,6 +85,18 @@ class QuantLinear(nn.Module):
             for name, tensor in tensors.items():
                 setattr(self, name, tensor)
 
+    def refit(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy new engine-layout tensors of this layer (all of its quantized ones) into its own: packed again as
+        use_kernel_layout packed them, where the kernels have a layout of their own."""
+        quantized = {name: t for name, t in tensors.items() if name != "bias"}
+        packed = self.ops.pack_quant(self.algo, quantized, gated=self.gated and self.bias is None) \
+            if self.layout is not None else None
+        layout, replaced = packed if packed is not None else (None, {})
+        if layout != self.layout:
+            raise RuntimeError(f"refit: the kernels packed a layer as {layout}, not as its load did ({self.layout})")
+        for name, tensor in {**tensors, **replaced}.items():
+            copy_into(getattr(self, name), tensor, name)
+
     def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output (its
         GEMV may apply it when no adapter adds to it)."""
@@ -108,6 +120,20 @@ def register_quantized(module: nn.Module, shapes: dict[str, tuple], algo: str) -
     weight = torch.uint8 if algo.startswith("W4A16") else torch.float8_e4m3fn if algo.startswith("FP8") else torch.int8
     for name, shape in shapes.items():
         module.register_buffer(name, torch.empty(shape, dtype=weight if name == "weight" else torch.float32))
+
+
+def copy_into(target: torch.Tensor | None, tensor: torch.Tensor | None, name: str) -> None:
+    """tensor copied into target's storage (its strides kept); a tensor the kernels' layout dropped stays None."""
+    if target is None or tensor is None:
+        if target is not tensor:
+            raise RuntimeError(f"refit: {name} is {'absent' if target is None else 'present'} in the network but not "
+                               "in the new weights' layout")
+        return
+    if target.shape != tensor.shape or target.dtype != tensor.dtype:
+        raise RuntimeError(f"refit: {name} is {tuple(target.shape)} {target.dtype} in the network, "
+                           f"{tuple(tensor.shape)} {tensor.dtype} in the new weights")
+    with torch.no_grad():
+        target.copy_(tensor)
 
 
 def make_linear(name: str, in_features: int, out_features: int, bias: bool, config: PretrainedConfig) -> nn.Module:
@@ -288,6 +314,25 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"engine weights do not match the engine's config: unexpected {result.unexpected_keys}")
         if torch.device(device).type == "cpu":
             reference.use_cpu_weight_layout(self)
+
+    @torch.no_grad()
+    def refit(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy engine-layout weights (some of them, e.g. one layer's, already checked against this network's; a
+        quantized layer's tensors together) into the tensors the network holds, laid out as `load` laid them out: the
+        CPU's column-major matrices keep their strides, quantized layers in the kernels' own layout are packed again,
+        the fusion modules go on reading the same tensors. No tensor is replaced: CUDA graphs captured over them stay
+        valid."""
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights.items():
+            module, _, attribute = name.rpartition(".")
+            by_module.setdefault(module, {})[attribute] = tensor
+        for name, tensors in by_module.items():
+            module = stands_for(self.get_submodule(name))
+            if isinstance(module, QuantLinear):
+                module.refit(tensors)
+                continue
+            for attribute, tensor in tensors.items():
+                copy_into(getattr(module, attribute), tensor, f"{name}.{attribute}")
 
     def release(self, module: str) -> None:
         """Drop the weights of the submodule `module` (back to the meta device)."""

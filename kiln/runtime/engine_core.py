@@ -68,6 +68,7 @@ class EngineCore:
                                    enable_chunked_context, lora_cache.max_loras)
         self.overlap, self.pending = overlap, None      # pending: a launched step whose tokens are not read yet
         self.overlapped_steps = 0
+        self.refits = 0                                 # weight updates applied (refit)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -160,6 +161,28 @@ class EngineCore:
         self.scheduler.abort(request)
         self.runner.release(request)
 
+    def refit(self, engine: Engine, weights) -> None:
+        """Copy new weights (engine.refit_source's, checked) into the engine's tensors and the network's, a layer at
+        a time, with no request in flight (GenerationExecutor.run_when_idle); then forget every cached prefix, whose
+        KV the old weights computed. A failure part way (a file that cannot be read) leaves the weights mixed: the
+        error says so, and a refit that succeeds mends them."""
+        if self.has_unfinished():
+            raise RuntimeError("refit needs an idle engine: requests are still in flight")
+        reached = 0                                     # units copied into the engine (and then the network)
+        try:
+            for unit in engine.refit_units(weights):
+                reached += 1
+                self.runner.refit(unit)
+        except Exception as err:
+            if reached == 0:
+                raise                                   # nothing was copied: the old weights are whole
+            raise RuntimeError(f"refit failed after {reached} of {len(weights.unit_names())} layers began to be "
+                               "copied; the engine now holds a mix of old and new weights: refit again "
+                               f"({type(err).__name__}: {err})") from err
+        finally:
+            self.kv.reset_prefix_cache()
+        self.refits += 1
+
     def close(self) -> None:
         """Free the device memory (weights, KV cache, graphs); the statistics stay readable."""
         self.runner.close()
@@ -174,6 +197,7 @@ class EngineCore:
                 "scheduled_tokens": sched.stats.scheduled_tokens, "last_step_tokens": sched.stats.last_step_tokens,
                 "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
                 "preemptions": sched.stats.preemptions, "overlapped_steps": self.overlapped_steps,
+                "refits": self.refits,
                 "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}
 
 

@@ -3,10 +3,14 @@
     callers ──submit/abort──▶ inbox ──▶ [engine thread: drain inbox → EngineCore.step() → publish outputs]
                                                               │
     GenerationResult ◀── snapshots (text, deltas, finish) ────┘
+
+A job for an idle engine (run_when_idle: refit) waits in the loop until the requests submitted before it have
+finished; requests submitted after it wait behind it, so each request runs wholly before or wholly after it.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -120,6 +124,27 @@ class GenerationResult:
         return self.aresult().__await__()
 
 
+class _IdleJob:
+    """A function to run on the engine thread with no request in flight (run_when_idle), and how it ended."""
+
+    def __init__(self, fn):
+        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as err:  # noqa: BLE001 - the caller of run_when_idle raises it
+            self.error = err
+            if not isinstance(err, Exception):
+                raise
+        finally:
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
 class _SeqText:
     """Text state of one sequence: its detokenizer, the text so far, and what was already published."""
 
@@ -143,6 +168,8 @@ class GenerationExecutor:
         self.core, self.tokenizer, self.describe_failure = core, tokenizer, describe_failure
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._states: dict[int, _RequestState] = {}
+        # idle jobs, and the requests submitted after the first of them, in the order they came
+        self._deferred: collections.deque[_IdleJob | _RequestState] = collections.deque()
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
@@ -159,6 +186,21 @@ class GenerationExecutor:
 
     def abort(self, request_id: int) -> None:
         self._inbox.put(("abort", request_id))
+
+    def run_when_idle(self, fn):
+        """Run fn() on the engine thread once every request submitted before this call has finished (requests
+        submitted meanwhile wait and run after it); returns its result, or raises its error, in the caller's
+        thread."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine loop has stopped after an error: {self._error}")
+        if self._stopped.is_set():
+            raise RuntimeError("the LLM has been shut down")
+        job = _IdleJob(fn)
+        self._inbox.put(("idle", job))
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     @property
     def alive(self) -> bool:
@@ -180,7 +222,8 @@ class GenerationExecutor:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain(block=not self.core.has_unfinished())
+                self._drain(block=not self.core.has_unfinished() and not self._deferred)
+                self._run_deferred()
                 if self.core.has_unfinished():
                     with torch.inference_mode():
                         advanced = self.core.step()
@@ -197,6 +240,10 @@ class GenerationExecutor:
                 if detail:
                     error = RuntimeError(f"{detail}\n(the engine loop stopped: {exc})")
             self._error = error
+        for item in self._deferred:
+            if isinstance(item, _IdleJob):
+                item.fail(RuntimeError(f"the engine loop stopped before this could run: {error}"))
+        self._deferred.clear()
         for state in self._states.values():
             state.result._publish(None, error)
         self._states.clear()
@@ -210,14 +257,32 @@ class GenerationExecutor:
             block = False
             if kind == "add":
                 self._states[item.request.request_id] = item
-                try:
-                    self.core.add_request(item.request)
-                except Exception as err:  # noqa: BLE001 - it fails this request only
-                    self._fail(item, err)
+                if self._deferred:
+                    self._deferred.append(item)
+                else:
+                    self._admit(item)
+            elif kind == "idle":
+                self._deferred.append(item)
             elif kind == "abort" and item in self._states:
                 state = self._states[item]
+                if state in self._deferred:
+                    self._deferred.remove(state)
                 self.core.abort(state.request)
                 self._process_alone(state)
+
+    def _admit(self, state: _RequestState) -> None:
+        try:
+            self.core.add_request(state.request)
+        except Exception as err:  # noqa: BLE001 - it fails this request only
+            self._fail(state, err)
+
+    def _run_deferred(self) -> None:
+        """With no request in flight, run the first idle job, then admit the requests that came after it, up to
+        the next job (which waits for them)."""
+        while self._deferred and not self.core.has_unfinished():
+            self._deferred.popleft().run()
+            while self._deferred and not isinstance(self._deferred[0], _IdleJob):
+                self._admit(self._deferred.popleft())
 
     def _process_alone(self, state: _RequestState) -> None:
         """_process, where an error (or one the engine met sampling it: request.error) fails this request only."""

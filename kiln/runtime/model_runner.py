@@ -419,6 +419,11 @@ class ModelRunner:
         for seq in request.all_seqs():
             self.last_logits.pop(seq.seq_id, None)
 
+    def refit(self, unit: dict[str, torch.Tensor]) -> None:
+        """Copy one unit (a layer) of new engine-layout weights into the network's tensors on the device (the CUDA
+        graphs read them there and need no new capture)."""
+        self.net.refit({name: tensor.to(self.device) for name, tensor in unit.items()})
+
     def close(self) -> None:
         """Give back the device memory: the network's weights, the KV cache, the graphs and their pools."""
         self.graphs, self.net, self.kv_caches = None, None, []
