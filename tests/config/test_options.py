@@ -64,7 +64,7 @@ VALUES = {
         "max_prompt_embedding_table_size": (4, {}), "gather_context_logits": (True, {}),
         "gather_generation_logits": (True, {}), "strongly_typed": (False, {}), "builder_opt": (3, {}),
         "profiling_verbosity": ("detailed", {"visualize_network": True}), "enable_debug_output": (True, {}),
-        "max_draft_len": (2, {}), "use_refit": (True, {}), "input_timing_cache": ("kernels.tar", {}),
+        "max_draft_len": (2, {}), "use_refit": (True, {}, "refit"), "input_timing_cache": ("kernels.tar", {}),
         "output_timing_cache": ("kernels.tar", {}), "lora_config": (lambda: LoraConfig(max_lora_rank=8), {}),
         "auto_parallel_config": (lambda: AutoParallelConfig(enabled=True), {}), "weight_sparsity": (True, {}),
         "plugin_config": (lambda: PluginConfig(tokens_per_block=16), {}), "max_encoder_input_len": (512, {}),
@@ -284,6 +284,13 @@ def serve_parallel_config(config: ParallelConfig, env) -> None:
         llm.generate([1, 2, 3], SamplingConfig(max_new_tokens=1))
 
 
+def refit_build_config(config: BuildConfig, env) -> None:
+    """A tiny engine built with these settings, its weights updated in place (from its own model's)."""
+    model = _model()
+    with LLM(build(model, config, quiet=True), device="cpu", quiet=True) as llm:
+        llm.update_weights(model.weights)
+
+
 def use_sampling_config(config: SamplingConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL, max_beam_width=2), quiet=True), config)
 
@@ -332,7 +339,7 @@ CONSUMERS = {
     "LoraCacheConfig": [use_lora_cache_config], "SamplingConfig": [use_sampling_config],
     "ServerConfig": [use_server_config], "ModelSection": [use_model_section], "BuildFile": [use_build_file],
 }
-NAMED_CONSUMERS = {"serve": serve_parallel_config}
+NAMED_CONSUMERS = {"serve": serve_parallel_config, "refit": refit_build_config}
 
 
 @dataclasses.dataclass
