@@ -156,11 +156,12 @@ def _eval_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
-    from kiln.config import KvCacheConfig
+    from kiln.config import KvCacheConfig, LoraCacheConfig
 
     p = _command(sub, "serve", "an OpenAI-compatible HTTP server (needs the serve extra: kiln[serve])",
                  "kiln serve ENGINE --port 8000 --api_key SECRET",
-                 "kiln serve model.gguf --host 0.0.0.0 --served_model_name smollm2 --enable_chunked_context")
+                 "kiln serve model.gguf --host 0.0.0.0 --served_model_name smollm2 --enable_chunked_context",
+                 "kiln serve ENGINE --api_key SECRET --lora_modules sql=adapters/sql-lora chat=adapters/chat-lora")
     p.add_argument("model", help="engine directory, Kiln checkpoint, HF directory or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -176,12 +177,25 @@ def _serve_parser(sub) -> None:
     p.add_argument("--shutdown_timeout", "--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log_prompts", "--log-prompts", action="store_true", help="put prompt text in the log lines")
+    p.add_argument("--lora_modules", "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (Hugging Face PEFT directories) served by name: a request whose model is NAME "
+                        "runs under that adapter; each is checked at start-up. Adapters stored in the engine are "
+                        "served by their names too")
     p.add_argument("--enable_chunked_context", action="store_true",
                    help="split prompts longer than the engine's max_num_tokens over several steps")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv_cache_max_tokens", type=int, help="most tokens the KV cache holds (default: from memory)")
     p.add_argument("--skip_checksum", action="store_true", help=SKIP_CHECKSUM_HELP)
-    p.set_defaults(kv_fields=add_dataclass_args(p, KvCacheConfig, skip=("max_tokens",)), handler=cmd_serve)
+    p.set_defaults(kv_fields=add_dataclass_args(p, KvCacheConfig, skip=("max_tokens",)),
+                   lora_cache_fields=add_dataclass_args(p, LoraCacheConfig), handler=cmd_serve)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora_modules NAME=PATH → (name, path)."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH (an adapter's name and its directory)")
+    return name, path
 
 
 def parser() -> argparse.ArgumentParser:
@@ -449,16 +463,22 @@ def cmd_serve(args) -> None:
         from kiln.server.run import serve
     except ImportError as err:
         raise ValueError(f"kiln serve needs the serve extra ({err.name} is missing): pip install 'kiln[serve]'") from None
-    from kiln import LLM, KvCacheConfig
+    from kiln import LLM, KvCacheConfig, LoraCacheConfig
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("KILN_API_KEY")   # "" is refused
+    names = [name for name, _ in args.lora_modules or []]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--lora_modules names {twice[0]!r} twice")
     config = ServerConfig(model_name=args.served_model_name or Path(args.model).name, api_key=api_key,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          body_timeout=args.body_timeout, log_prompts=args.log_prompts)
+                          body_timeout=args.body_timeout, log_prompts=args.log_prompts,
+                          lora_modules=dict(args.lora_modules or []))
     kv_cache = KvCacheConfig(**{"enable_block_reuse": True, "max_tokens": args.kv_cache_max_tokens,
                                 **pick(args, args.kv_fields)})
     llm = LLM(args.model, kv_cache_config=kv_cache, enable_chunked_context=args.enable_chunked_context,
-              device=args.device, skip_checksum=args.skip_checksum)
+              device=args.device, skip_checksum=args.skip_checksum,
+              lora_cache_config=LoraCacheConfig(**pick(args, args.lora_cache_fields)))
     serve(llm, config, args.host, args.port, args.shutdown_timeout)
 
 

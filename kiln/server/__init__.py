@@ -3,7 +3,8 @@
     from kiln.server import ServerConfig, create_app
     app = create_app(LLM("engine/"), ServerConfig(model_name="my-model"))
 
-Modules, one job each: `config` (settings), `app` (routes), `state` (what routes share), `auth` (bearer keys),
+Modules, one job each: `config` (settings), `app` (routes), `state` (what routes share), `models` (the base model
+and the LoRA adapters served by name, loaded and unloaded at run time), `auth` (bearer keys),
 `admission` (the bounded queue), `body` (size-limited JSON reading), `protocol` (strict request models),
 `sampling` (request → SamplingConfig), `generation` (submit, await or stream, abort on disconnect),
 `completions` / `chat` / `responses` / `logprobs` (OpenAI's response shapes), `sse` (server-sent events),

@@ -1,7 +1,7 @@
-"""The FastAPI app of `kiln serve`: OpenAI's /v1 routes (bearer auth), /health, /metrics and the chat page."""
+"""The FastAPI app of `kiln serve`: OpenAI's /v1 routes (bearer auth), vLLM's routes that load and unload LoRA
+adapters (only on a server with an API key), /health, /metrics and the chat page."""
 from __future__ import annotations
 
-import time
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -10,18 +10,21 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from .admission import shutting_down
 from .auth import bearer_check
+from .body import parse_request
 from .chat import create_chat_completion
 from .completions import create_completion
 from .config import ServerConfig
 from .errors import APIError, ClientDisconnected, install_error_handlers
 from .middleware import RequestLog
+from .protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from .state import ServerState
 
 CLIENT_CLOSED = 499   # nginx's status for "the client closed the connection"
 
 
 def create_app(llm, config: ServerConfig | None = None, owns_llm: bool = False) -> FastAPI:
-    """An app serving `llm`; with owns_llm the LLM is shut down when the app stops."""
+    """An app serving `llm` (and the LoRA adapters of config.lora_modules and of the engine, each checked here: a
+    bad one raises ValueError naming it); with owns_llm the LLM is shut down when the app stops."""
     state = ServerState(llm, config or ServerConfig())
 
     @asynccontextmanager
@@ -42,16 +45,15 @@ def create_app(llm, config: ServerConfig | None = None, owns_llm: bool = False) 
 
 
 def _v1_routes(state: ServerState) -> APIRouter:
-    router, created = APIRouter(prefix="/v1"), int(time.time())
+    router, served = APIRouter(prefix="/v1"), state.models
 
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [state.model_card(created)]}
+        return {"object": "list", "data": [served.card(name) for name in served.names()]}
 
     @router.get("/models/{model:path}")
     async def model(model: str):
-        state.check_model(model)
-        return state.model_card(created)
+        return served.card(model)
 
     @router.post("/completions")
     async def completions(request: Request):
@@ -61,7 +63,26 @@ def _v1_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request):
         return await _generate(create_chat_completion, request, state)
 
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        _require_api_key(state)
+        req = await parse_request(request, LoadLoraAdapterRequest, state.config, {})
+        return await served.load(req.lora_name, req.lora_path)
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        _require_api_key(state)
+        req = await parse_request(request, UnloadLoraAdapterRequest, state.config, {})
+        return served.unload(req.lora_name)
+
     return router
+
+
+def _require_api_key(state: ServerState) -> None:
+    """Loading reads the server's files: only clients holding the API key may, so a server without one refuses."""
+    if state.config.api_key is None:
+        raise APIError(403, "loading and unloading LoRA adapters needs a server started with an API key "
+                            "(--api-key or KILN_API_KEY)", "adapter_loading_disabled")
 
 
 async def _generate(handler, request: Request, state: ServerState):

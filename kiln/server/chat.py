@@ -17,7 +17,7 @@ from .sse import EventStream
 
 async def create_chat_completion(request: Request, server) -> JSONResponse | EventStream:
     req = await parse_request(request, ChatCompletionRequest, server.config, UNSUPPORTED_CHAT)
-    server.check_model(req.model)
+    model = server.resolve_model(request, req.model)
     messages = req.chat()
     server.note_prompt(request, messages, req.user)
     server.check_prompt_size("".join(m["content"] for m in messages), "messages")
@@ -26,8 +26,8 @@ async def create_chat_completion(request: Request, server) -> JSONResponse | Eve
     max_new = req.max_new_tokens or max(1, min(limits.max_output_len, limits.max_seq_len - len(prompt)))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     sampling = sampling_config(req, max_new, logprobs)
-    reply = Reply(request, server, "chatcmpl")
-    generation = await Generation.start(server, [prompt], sampling, bool(req.stream))
+    reply = Reply(request, server, "chatcmpl", model.name)
+    generation = await Generation.start(server, [prompt], sampling, bool(req.stream), model)
     if req.stream:
         return EventStream(_chunks(DeltaStream(generation, req.n or 1), req, reply, server.strings),
                            generation, request.state)

@@ -18,7 +18,7 @@ DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
 
 async def create_completion(request: Request, server) -> JSONResponse | EventStream:
     req = await parse_request(request, CompletionRequest, server.config, UNSUPPORTED_COMPLETION)
-    server.check_model(req.model)
+    model = server.resolve_model(request, req.model)
     server.note_prompt(request, req.prompt, req.user)
     if len(req.prompt) > server.llm.build_config.max_batch_size:
         raise invalid(f"{len(req.prompt)} prompts in one request: at most the engine's max_batch_size="
@@ -27,8 +27,8 @@ async def create_completion(request: Request, server) -> JSONResponse | EventStr
         server.check_prompt_size(prompt, "prompt")
     sampling = sampling_config(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs)
     echoes = await server.offload(_echoes, server, req.prompt) if req.echo else [""] * len(req.prompt)
-    reply = Reply(request, server, "cmpl")
-    generation = await Generation.start(server, req.prompt, sampling, bool(req.stream))
+    reply = Reply(request, server, "cmpl", model.name)
+    generation = await Generation.start(server, req.prompt, sampling, bool(req.stream), model)
     if req.stream:
         return EventStream(_chunks(DeltaStream(generation, req.n or 1), req, reply, echoes, server.strings),
                            generation, request.state)

@@ -1,7 +1,8 @@
 """Settings of one server (the `kiln serve` flags)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,6 +20,11 @@ class ServerConfig:
     Content-Length) are refused with 408."""
     log_prompts: bool = False
     """Put prompt text in the per-request log lines."""
+    lora_modules: dict[str, str | os.PathLike] = field(default_factory=dict)
+    """LoRA adapters served by name (`--lora_modules name=path`): name → Hugging Face PEFT adapter directory. A
+    request whose `model` is a name runs under that adapter. Each is read and checked against the engine when the
+    app is made (a bad one stops the server, named); adapters stored in the engine (LoraConfig.lora_dir) are served
+    by their names too."""
 
     def __post_init__(self):
         if not self.model_name:
@@ -34,3 +40,23 @@ class ServerConfig:
                              "unset to serve without a key")
         if self.api_key is not None and self.api_key != self.api_key.strip():
             raise ValueError("the API key must not start or end with whitespace (no request could match it)")
+        if not isinstance(self.lora_modules, dict):
+            raise ValueError(f"lora_modules must be a dict of adapter name → directory, got "
+                             f"{type(self.lora_modules).__name__}")
+        for name, path in self.lora_modules.items():
+            problem = adapter_name_problem(name, self.model_name)
+            if problem:
+                raise ValueError(f"lora_modules: {problem}")
+            if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+                raise ValueError(f"lora_modules: adapter {name!r} needs a directory, got {path!r}")
+
+
+def adapter_name_problem(name, base: str) -> str | None:
+    """What is wrong with `name` as the name of an adapter served beside the base model `base` (None: nothing)."""
+    if not isinstance(name, str) or not name:
+        return f"an adapter name must be a non-empty string, got {name!r}"
+    if name != name.strip() or not name.isprintable():
+        return f"adapter name {name!r} starts or ends with whitespace or holds control characters"
+    if name == base:
+        return f"adapter name {name!r} is the base model's name"
+    return None

@@ -7,9 +7,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-         415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+         503: "service_unavailable", 500: "internal_error"}
 
 
 class ClientDisconnected(Exception):

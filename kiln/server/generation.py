@@ -17,6 +17,7 @@ from kiln.runtime.sampling import SamplingConfig
 from .admission import Admission
 from .errors import APIError, ClientDisconnected, invalid
 from .metrics import ServerMetrics
+from .models import Model
 
 LIMIT_WORDS = ("max_input_len", "max_output_len", "max_seq_len", "KV cache")
 
@@ -40,11 +41,12 @@ class Generation:
         self._observed: set[int] = set()
 
     @classmethod
-    async def start(cls, server, prompts: list, sampling: SamplingConfig, streaming: bool) -> "Generation":
-        """Take a queue slot and submit every prompt (tokenised on the server's worker thread)."""
+    async def start(cls, server, prompts: list, sampling: SamplingConfig, streaming: bool,
+                    model: Model) -> "Generation":
+        """Take a queue slot and submit every prompt (tokenised on the server's worker thread) to `model`."""
         generation = cls(server.admission, server.metrics)
         try:
-            await server.offload(generation._submit, server.llm, prompts, sampling, streaming)
+            await server.offload(generation._submit, server.llm, prompts, sampling, streaming, model.lora)
         except ValueError as err:
             generation.close()
             code = "context_length_exceeded" if any(w in str(err) for w in LIMIT_WORDS) else "invalid_value"
@@ -58,16 +60,17 @@ class Generation:
         if generation._stopped:
             generation.close()
             raise stopped_by_shutdown()
+        server.metrics.count_model(model.name)
         return generation
 
-    def _submit(self, llm, prompts: list, sampling: SamplingConfig, streaming: bool) -> None:
+    def _submit(self, llm, prompts: list, sampling: SamplingConfig, streaming: bool, lora) -> None:
         """On the worker thread. Closed or stopped meanwhile (client gone, cancelled, shutdown): what was
         submitted is aborted here, as the loop's close() may have run before it was."""
         try:
             for prompt in prompts:
                 if self._closed or self._stopped:
                     return
-                self.results.append(llm.generate_async(prompt, sampling, streaming=streaming))
+                self.results.append(llm.generate_async(prompt, sampling, streaming=streaming, lora_request=lora))
         finally:
             if self._closed or self._stopped:
                 self._abort()

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in its own CollectorRegistry (several servers can share a process).
 
 Counted as requests finish: HTTP requests by route and status, prompt and generated tokens, time to first token,
-time per output token and end-to-end latency. Read from the engine at each scrape: running and waiting
+time per output token and end-to-end latency; as they are admitted: generation requests by the model they name
+(the base model or a LoRA adapter). Read from the engine at each scrape: running and waiting
 requests, KV blocks used and total, prefix-block reuse hit rate, requests the server holds."""
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kiln.runtime.outputs import GenerationOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+          "/health", "/metrics", "/")
 ENGINE_GAUGES = (("running_requests", "kiln_requests_running", "Requests the engine is running"),
                  ("waiting_requests", "kiln_requests_waiting", "Requests waiting in the engine's scheduler"),
                  ("kv_blocks_used", "kiln_kv_blocks_used", "KV-cache blocks in use"),
@@ -48,12 +50,17 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("kiln_time_per_output_token_seconds", "Mean time between output tokens",
                               registry=registry, buckets=TOKEN_BUCKETS)
+        self.model_requests = Counter("kiln_model_requests", "Generation requests admitted, by the model they name "
+                                      "(the base model or a LoRA adapter)", ["model"], registry=registry)
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Arrival to last token", registry=registry,
                              buckets=LATENCY_BUCKETS)
         registry.register(EngineCollector(stats, in_flight))
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+
+    def count_model(self, name: str) -> None:
+        self.model_requests.labels(name).inc()
 
     def observe(self, output: GenerationOutput) -> None:
         """One finished engine request (one prompt of an HTTP request)."""

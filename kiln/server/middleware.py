@@ -1,5 +1,6 @@
 """Around every HTTP request: a request id (also the X-Request-Id header), the count by route and status, and
-one log line when the response is done (id, status, tokens, latency; the prompt only with log_prompts)."""
+one log line when the response is done (id, status, tokens, latency, the LoRA adapter asked for; the prompt only
+with log_prompts)."""
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,7 @@ def log_line(scope, state: dict, status: int, seconds: float) -> str:
     parts = [f"request_id={state['request_id']}", f"{scope['method']} {scope['path']}", f"status={status}",
              f"prompt_tokens={prompt_tokens}", f"completion_tokens={completion_tokens}",
              f"latency_ms={seconds * 1e3:.1f}"]
-    for key in ("user", "outcome", "prompt"):
+    for key in ("adapter", "user", "outcome", "prompt"):
         if state.get(key) is not None:
             parts.append(f"{key}={state[key]!r}")
     return " ".join(parts)

@@ -1,5 +1,5 @@
-"""Request bodies of /v1/completions and /v1/chat/completions: strict types (no "1" for 1, no true for 1),
-unknown fields refused, OpenAI fields Kiln does not implement refused by name (see UNSUPPORTED)."""
+"""Request bodies of /v1/completions, /v1/chat/completions and the LoRA adapter routes: strict types (no "1" for 1,
+no true for 1), unknown fields refused, OpenAI fields Kiln does not implement refused by name (see UNSUPPORTED)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 MAX_STOP = 4
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+MAX_NAME, MAX_PATH = 256, 4096
 INT64 = 2**63
 
 UNSUPPORTED_COMMON = {
@@ -42,6 +43,7 @@ def checked_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(checked_text)]
 """A string field: refused if it cannot be encoded (it may be quoted in an answer, a log line, a template)."""
+AdapterName = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(checked_text)]
 
 
 def _is_ids(value) -> bool:
@@ -152,3 +154,16 @@ class ChatCompletionRequest(SamplingFields):
         """Messages for the chat template ("developer" is the newer name of "system")."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
                  **({"name": m.name} if m.name is not None else {})} for m in self.messages]
+
+
+class LoadLoraAdapterRequest(Strict):
+    """POST /v1/load_lora_adapter, vLLM's body: serve the PEFT adapter directory lora_path as the model lora_name."""
+
+    lora_name: AdapterName
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH), AfterValidator(checked_text)]
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """POST /v1/unload_lora_adapter, vLLM's body (its lora_int_id is refused: Kiln's adapters have names only)."""
+
+    lora_name: AdapterName

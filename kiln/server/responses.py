@@ -16,13 +16,13 @@ from .logprobs import text_logprobs
 
 
 class Reply:
-    """Identity of one response (id, created, model, the engine's fingerprint) and where its usage is noted for
-    the log line."""
+    """Identity of one response (id, created, the model asked for, the engine's fingerprint) and where its usage
+    is noted for the log line."""
 
-    def __init__(self, request: Request, server, prefix: str):
+    def __init__(self, request: Request, server, prefix: str, model: str):
         self.state = request.state
         self.id = f"{prefix}-{self.state.request_id}"
-        self.created, self.model, self.fingerprint = int(time.time()), server.config.model_name, server.fingerprint
+        self.created, self.model, self.fingerprint = int(time.time()), model, server.fingerprint
 
     def body(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

@@ -61,11 +61,17 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def serve(llm, config: ServerConfig, host: str, port: int, shutdown_timeout: float) -> None:
-    """Serve until interrupted; the LLM is shut down at the end."""
+    """Serve until interrupted; the LLM is shut down at the end. A LoRA adapter that cannot be served stops this
+    before the port is bound (ValueError naming it)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kiln.server").setLevel(logging.INFO)
     warning = exposure_warning(host, config.api_key)
     if warning:
         logger.warning(warning)
-    KilnServer(create_app(llm, config, owns_llm=True), host, port, shutdown_timeout).run()
+    try:
+        app = create_app(llm, config, owns_llm=True)
+    except BaseException:
+        llm.shutdown()
+        raise
+    KilnServer(app, host, port, shutdown_timeout).run()

@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
 from .admission import Admission
 from .config import ServerConfig
-from .errors import APIError, invalid
+from .errors import invalid
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
+from .models import Model, ServedModels
 
 
 def longest_token_chars(tokenizer) -> int | None:
@@ -26,6 +28,7 @@ def longest_token_chars(tokenizer) -> int | None:
 class ServerState:
     def __init__(self, llm, config: ServerConfig):
         self.llm, self.config = llm, config
+        self.models = ServedModels(llm, config.model_name, config.lora_modules, int(time.time()))
         self.admission = Admission(llm.build_config.max_batch_size + config.max_queue)
         self.metrics = ServerMetrics(llm.stats, lambda: self.admission.active)
         self.strings = TokenStrings(copy.deepcopy(llm.tokenizer))       # its own copy: used on the event loop
@@ -41,14 +44,12 @@ class ServerState:
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
 
-    def model_card(self, created: int) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": created, "owned_by": "kiln",
-                "max_model_len": self.llm.build_config.max_seq_len}
-
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                           "model_not_found", "model")
+    def resolve_model(self, request: Request, name: str) -> Model:
+        """The model a request names (else 404 model_not_found); an adapter's name goes in the request's log line."""
+        model = self.models.resolve(name)
+        if model.lora is not None:
+            request.state.adapter = name
+        return model
 
     def check_prompt_size(self, prompt: str | list[int], param: str) -> None:
         """Refuse at once, before any tokenising, a prompt that cannot fit max_input_len: token ids by their
