@@ -208,7 +208,8 @@ class BuildConfig:
     use_refit: bool = False
     """Build a refittable engine: its weights may be replaced in place by a model of the same architecture and
     shapes (LLM.update_weights, Engine.refit) without a rebuild; refit refuses an engine built without it, as
-    TensorRT-LLM does. Stored (and hashed) in the engine's config.json."""
+    TensorRT-LLM does. Stored (and hashed) in the engine's config.json. On a GPU its quantized layers take layouts
+    that follow from their shapes alone (int4 group scales stay float32 where fp16 would hold them)."""
     input_timing_cache: str | None = None
     """A .tar of compiled GPU kernels (an earlier output_timing_cache) to start from when building on a GPU."""
     output_timing_cache: str | None = None

@@ -74,7 +74,8 @@ class ModelRunner:
             config, engine.weights[rank], build.max_seq_len, device,
             ops=select_ops(device, TritonOptions(context_fmha=plugins.context_fmha,
                                                  fp8_fast_accumulation=plugins.fp8_fast_accumulation,
-                                                 pdl=plugins.programmatic_dependent_launch), plugins.cpu_kernels),
+                                                 pdl=plugins.programmatic_dependent_launch,
+                                                 refittable=build.use_refit), plugins.cpu_kernels),
             comm=parallel.comm if parallel is not None else None)
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)

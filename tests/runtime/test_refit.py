@@ -16,7 +16,7 @@ import torch
 from conftest import hf_greedy, save_tiny_model
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.builder import build_sharded
-from kiln.config import KvCacheConfig, PluginConfig, QuantConfig
+from kiln.config import KvCacheConfig, PluginConfig, PretrainedConfig, QuantConfig
 from kiln.convert import quantize
 from kiln.models import LlamaForCausalLM
 
@@ -248,6 +248,48 @@ def test_refit_after_shutdown_is_refused(ab):
         llm.update_weights(ab.b_ckpt)
 
 
+def _random_quantized(quant: QuantConfig, seed: int):
+    """A random Llama of 256 hidden units (int4 layers of whole int4_mma row blocks and chunks, g128) quantized by
+    round to nearest."""
+    config = PretrainedConfig(architecture="LlamaForCausalLM", dtype="bfloat16", vocab_size=320, hidden_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                              max_position_embeddings=256)
+    model = LlamaForCausalLM.random(config, seed=seed, std=0.05)
+    return quantize(model, quant, calib_size=2, quiet=True, round_to_nearest=True)
+
+
+LAYOUTS = {"W4A16_AWQ": QuantConfig("W4A16_AWQ", group_size=128), "W8A16": QuantConfig("W8A16"),
+           "FP8_per_token": QuantConfig("FP8_PER_CHANNEL_PER_TOKEN")}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", LAYOUTS)
+def test_the_network_refits_into_the_gpu_kernels_layouts(mode, device):
+    """DecoderForCausalLM.refit under TritonOps (refittable): int4 and int8 layers packed for the GPU's kernels
+    (interleaved, gate/up rows paired; on a GPU int4_mma's fragments with the RMSNorms folded into their products),
+    FP8 per-token layers behind their Fp8Norm/Fp8Silu stand-ins; B's weights copied into A's network equal B's
+    network bit for bit, in the same storage. On the CPU only the layouts are made (no kernel runs)."""
+    pytest.importorskip("triton")
+    from kiln.kernels import TritonOps, TritonOptions
+    from kiln.kernels.fusion import FoldedNorm, Fp8Norm
+    from kiln.models import DecoderForCausalLM
+
+    ops = TritonOptions(int4_mma="all" if device == "cuda" else "off", refittable=True)
+    a, b = (build(_random_quantized(LAYOUTS[mode], seed), BUILD, quiet=True) for seed in (1, 2))
+    if mode == "W4A16_AWQ":       # scales below fp16's range: a layout chosen by values (fp16 scales) would differ
+        b.weights[0]["layers.0.attn.o_proj.weight_scale"] *= 1e-4
+    a_net, b_net = (DecoderForCausalLM.load(e.pretrained_config, e.weights[0], 64, device, ops=TritonOps(ops))
+                    for e in (a, b))
+    stand_ins = {type(m) for m in a_net.modules()}
+    assert (Fp8Norm in stand_ins) == (mode == "FP8_per_token")
+    assert (FoldedNorm in stand_ins) == (mode == "W4A16_AWQ" and device == "cuda")
+    before = {name: t.data_ptr() for name, t in a_net.state_dict().items()}
+    a_net.refit({name: t.to(device) for name, t in b.weights[0].items()})
+    refitted, expected = a_net.state_dict(), b_net.state_dict()
+    assert {name: t.data_ptr() for name, t in refitted.items()} == before
+    assert all(torch.equal(refitted[name], tensor) for name, tensor in expected.items())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [None, "W4A16_GPTQ"])
 def test_cuda_graphs_keep_working_after_refit(quant):
@@ -259,7 +301,7 @@ def test_cuda_graphs_keep_working_after_refit(quant):
     def model(seed):
         made = LlamaForCausalLM.random(shape_config("smollm2-135m", "bfloat16"), seed=seed, std=0.05)
         config = QuantConfig(quant, group_size=128) if quant else None
-        return quantize(made, config, quiet=True, round_to_nearest=True)
+        return quantize(made, config, calib_size=2, quiet=True, round_to_nearest=True)
 
     build_config = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512, use_refit=True)
     prompts = [list(range(5, 5 + n)) for n in (3, 50, 129)]

@@ -120,7 +120,7 @@ class QuantProducts:
         paired = gated and bits in self.options.silu_in_gemv
         if paired:
             tensors = {name: gemv.pair_gate_up_rows(t) for name, t in tensors.items()}
-        half = bits == 4 and _fp16_keeps(params)
+        half = bits == 4 and not self.options.refittable and _fp16_keeps(params)
         if half:
             tensors["weight_scale"] = weight_only.half_scale_pairs(tensors["weight_scale"], tensors["weight_zero"])
             tensors["weight_zero"] = None

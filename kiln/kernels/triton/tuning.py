@@ -32,6 +32,10 @@ class TritonOptions:
     fold_norms: bool = True
     """At one row, o/down on int4_mma add the residual and hand the next RMSNorm to qkv/gate_up on int4_mma
     (kiln.kernels.fusion): 8B W4A16_AWQ batch 1, 550.4 -> 578.6 tok/s (22 runs, H200)."""
+    refittable: bool = False
+    """Every quantized layer's layout follows from its shapes alone, never from its values, so that new weights
+    (refit: BuildConfig.use_refit) pack into the storage the old ones were packed into: int4 group scales then stay
+    float32 where fp16 would have held them."""
 
     def __post_init__(self):
         if self.int4_mma not in INT4_MMA_CHOICES:
