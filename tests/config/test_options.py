@@ -131,7 +131,7 @@ VALUES = {
     },
     "ServerConfig": {
         "model_name": ("tiny", {}), "api_key": ("secret", {}), "max_queue": (3, {}), "max_body_bytes": (4096, {}),
-        "body_timeout": (5.0, {}), "log_prompts": (True, {}),
+        "body_timeout": (5.0, {}), "log_prompts": (True, {}), "lora_modules": ({"a": "nowhere"}, {}),
     },
     "ModelSection": {"model_dir": ("<hf>", {}), "output_dir": ("<tmp>/engine", {}), "dtype": ("bfloat16", {})},
     "BuildFile": {"model": (lambda: ModelSection(dtype="float32"), {}),
