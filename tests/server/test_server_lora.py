@@ -27,6 +27,7 @@ from test_server import KEY, _free_port, metric, post, wait_until_serving  # noq
 BASE = "tiny-llama"                        # the served name of the model directory
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT, MAX_TOKENS = "Hello there", 12
+LONG = 480                                 # tokens of a request still running when its adapter is unloaded
 MESSAGES = [{"role": "user", "content": "Hi!"}]
 needs_cli = pytest.mark.skipif(shutil.which("kiln") is None, reason="package scripts not installed")
 
@@ -177,6 +178,18 @@ def test_load_and_unload_adapters(client, served, llm, paths):
     got = client.completions.create(model="math", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == expected(llm, paths, "chat").text
     assert post(served, "/v1/unload_lora_adapter", {"lora_name": "math"}).status_code == 200
+
+
+def test_unloading_lets_admitted_requests_finish_under_the_adapter(client, served, llm, paths):
+    assert post(served, "/v1/load_lora_adapter", {"lora_name": "busy", "lora_path": paths["math"]}).status_code == 200
+    stream = client.completions.create(model="busy", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True)
+    assert post(served, "/v1/unload_lora_adapter", {"lora_name": "busy"}).status_code == 200
+    assert metric(served, "kiln_requests_running") == 1          # the engine is still generating it
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="busy", prompt=PROMPT, max_tokens=2)
+    want = llm.generate(PROMPT, SamplingConfig(max_new_tokens=LONG, temperature=0),
+                        lora_request=LoRARequest("math", paths["math"]))
+    assert "".join(c.choices[0].text for c in stream) == want.text
 
 
 def test_a_bad_adapter_is_refused_at_load_naming_what_is_wrong(client, served, paths, tmp_path):
