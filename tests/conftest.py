@@ -3,6 +3,8 @@ tokenizer, and the transformers reference they are checked against. The one conf
 mirror kiln/<layer>/, and pytest finds this file from every one of them (`from conftest import ...`)."""
 from __future__ import annotations
 
+import copy
+
 import functools
 import os
 from pathlib import Path
@@ -140,10 +142,12 @@ def tiny_models(tmp_path_factory):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers greedy decoding, never stopping early."""
-    model.generation_config.eos_token_id = None
+    """transformers greedy decoding, never stopping early (the model's own generation config is left as it is: the
+    models of session fixtures are shared with tests that stop on the end token)."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
     out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, generation_config=config)
     return out[0, len(prompt_ids):].tolist()
 
 
