@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from conftest import hf_greedy
 from kiln import LLM, BuildConfig, KvCacheConfig, SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def shared_prefix_requests(hf):
     ids = tokenizer(TEXT).input_ids
     rng = random.Random(0)
     requests = [(ids[:rng.randint(1, 300)], rng.randint(1, 10)) for _ in range(16)]
-    return requests, [_hf_generate_n(model, p, n) for p, n in requests]
+    return requests, [hf_greedy(model, p, n) for p, n in requests]
 
 
 @pytest.mark.parametrize("chunked, reuse, tokens_per_block", [(False, False, 16), (False, True, 64),
@@ -100,14 +101,6 @@ def _submit(llm, requests, staggered: bool) -> list[list[int]]:
         if staggered and k % 6 == 5:
             results[i].result()
     return [results[i].result().token_ids for i in range(len(requests))]
-
-
-def _hf_generate_n(model, ids: list[int], n: int) -> list[int]:
-    model.generation_config.eos_token_id = None
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, pad_token_id=0)
-    model.generation_config.eos_token_id = 2
-    return out[0, len(ids):].tolist()
 
 
 def test_streaming_non_ascii_on_smollm2(llm):
