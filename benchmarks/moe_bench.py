@@ -22,7 +22,7 @@ import torch
 from kiln import benchmark as bench
 from kiln.config import QuantConfig
 from kiln.kernels import quant, reference
-from kiln.kernels.triton.fused_moe import fused_moe, moe_config
+from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, moe_config
 from kiln.kernels.triton.tuning import MoeConfig, MoeTile
 from kiln.quantization import round_experts
 
@@ -110,7 +110,7 @@ def main() -> None:
             x = x_all[:t]
             seconds = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
-            block_m = moe_config(t, TOP_K, EXPERTS, fp8=algo is not None and algo.startswith("FP8")).block_m
+            block_m = moe_config(t, TOP_K, EXPERTS, expert_weights(weights[0], algo).format).block_m
             line = (f"{name:>10} {t:>6} {block_m:>7} {seconds * 1e6:>9.1f} "
                     f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
             print(line + (f" {check(x, router, *weights, algo):>8.1e}" if args.check else ""), flush=True)

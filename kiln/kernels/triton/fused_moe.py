@@ -36,16 +36,18 @@ import triton.language as tl
 from ..quant import int4_group_size
 from .launch import launch_args, wait_for_inputs
 from .norms import quantize_fp8_rows, silu_mul
-from .tuning import MOE_CONFIGS, MOE_FP8_CONFIGS, MOE_SHARED_MEMORY, MoeConfig, MoeTile
+from .tuning import MOE_CONFIGS, MOE_FLOAT_CONFIGS, MOE_FP8_CONFIGS, MOE_SHARED_MEMORY, MoeConfig, MoeTile
 
 FLOAT, FP8, INT8, INT4 = 0, 1, 2, 3          # how a projection's weights are stored (ExpertWeights.format)
 _FP8, _INT8, _INT4 = tl.constexpr(FP8), tl.constexpr(INT8), tl.constexpr(INT4)     # the same, inside kernels
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def moe_config(tokens: int, top_k: int, experts: int, fp8: bool = False) -> MoeConfig:
+def moe_config(tokens: int, top_k: int, experts: int, weights: int = FLOAT) -> MoeConfig:
+    """The measured tiles for `tokens` routed to top_k of `experts` experts stored as `weights` (FLOAT, FP8, ...)."""
+    table = {FLOAT: MOE_FLOAT_CONFIGS, FP8: MOE_FP8_CONFIGS}.get(weights, MOE_CONFIGS)
     rows = tokens * top_k / experts
-    return next(config for bound, config in (MOE_FP8_CONFIGS if fp8 else MOE_CONFIGS) if rows <= bound)
+    return next(config for bound, config in table if rows <= bound)
 
 
 @dataclass(frozen=True)
@@ -522,7 +524,7 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dic
     `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step)."""
     gate_up_w, down_w = expert_weights(gate_up, algo), expert_weights(down, algo)
     experts = gate_up_w.weight.shape[0]
-    config = config or moe_config(x.shape[0], top_k, experts, fp8=gate_up_w.format == FP8)
+    config = config or moe_config(x.shape[0], top_k, experts, gate_up_w.format)
     launch = launch_args(launch)
     ids, weights = route(F.linear(x, router), top_k, renormalize, launch)
     sorted_ids, block_expert = align(ids, config.block_m, first_expert, experts, launch)

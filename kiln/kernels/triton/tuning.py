@@ -140,20 +140,21 @@ class MoeConfig:
     down: MoeTile
 
 
-# (average rows per expert, T·k / E, up to; MoeConfig). Few rows (decode): 16-row blocks and narrow tiles with deep
-# steps, so that the programs streaming the two routed experts' weights fill the GPU; many rows: 64/128-row blocks,
-# whose tiles are reused from L2 by GROUP_M neighbouring row blocks. Swept with `benchmarks/moe_bench.py --sweep`
-# on Mixtral-8x7B's shapes, one H200: bf16 at one token 199.8 µs with (64, 256) steps (237 µs with (64, 128):
-# 3.5 TB/s of the two routed experts); FP8 per token at 512 tokens 675 µs and at 4096 tokens 3.20 ms with
-# 128-row blocks and 128 × 128 tiles (917 µs and 4.30 ms with the 64 × 64 tiles before: 1.35x). The FP8 table is
-# used for FP8 experts; the wider tiles have not been measured on 2-byte weights, which keep the first table
-# above 48 rows (bf16 at 4096 tokens 482-505 TFLOP/s).
+# (average rows per expert, T·k / E, up to; MoeConfig). Few rows (decode): 16-row blocks and narrow tiles, so that
+# the programs streaming the two routed experts' weights fill the GPU; many rows: 64/128-row blocks, whose tiles
+# are reused from L2 by GROUP_M neighbouring row blocks. Measured with `benchmarks/moe_bench.py` (--sweep for the
+# alternatives) on Mixtral-8x7B's shapes, one H200. MOE_CONFIGS, the int8/int4 experts' table: int4 at one token
+# 354 µs (its unpacking, not its bytes, bounds it). Float experts step 256 deep at one token: bf16
+# 200 µs (3.5 TB/s of the two routed experts; 237 µs 128 deep); bf16 at 4096 tokens 507 TFLOP/s. FP8 experts from
+# 48 rows take 128 × 128 tiles, from 96 rows 128-row blocks: 512 tokens 672 µs, 4096 tokens 3.11 ms (928 TFLOP/s;
+# 917 µs and 4.30 ms on the 64 × 64 tiles of the int table).
 MOE_CONFIGS = [
-    (16, MoeConfig(16, MoeTile(64, 256, 4, 3), MoeTile(64, 256, 4, 3))),
+    (16, MoeConfig(16, MoeTile(64, 128, 4, 4), MoeTile(32, 128, 4, 4))),
     (48, MoeConfig(32, MoeTile(64, 128, 4, 4), MoeTile(64, 128, 4, 4))),
     (192, MoeConfig(64, MoeTile(64, 64, 4, 4, 8), MoeTile(128, 64, 4, 4, 8))),
     (1 << 62, MoeConfig(128, MoeTile(64, 64, 8, 3, 8), MoeTile(128, 64, 8, 3, 8))),
 ]
+MOE_FLOAT_CONFIGS = [(16, MoeConfig(16, MoeTile(64, 256, 4, 3), MoeTile(64, 256, 4, 3))), *MOE_CONFIGS[1:]]
 MOE_FP8_CONFIGS = MOE_CONFIGS[:2] + [
     (96, MoeConfig(64, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
     (1 << 62, MoeConfig(128, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
