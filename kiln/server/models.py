@@ -1,4 +1,4 @@
-"""The models one server serves, each by name: the base model and LoRA adapters (issue 29). A request's `model`
+"""The models one server serves, each by name: the base model and LoRA adapters. A request's `model`
 picks one: the base model's name → no adapter, an adapter's name → that adapter, anything else → 404
 model_not_found naming the served models.
 
