@@ -295,7 +295,8 @@ class LLM:
         """Refit: replace the engine's weights with those of `source` without a rebuild — a Kiln checkpoint
         directory, a Hugging Face directory (read in the engine's dtype) or a state dict (Hugging Face or Kiln
         checkpoint names, the engine's dtypes) of the same architecture and shapes; a quantized engine takes weights
-        quantized the same way. The engine must be built with BuildConfig.use_refit, on one rank.
+        quantized the same way. The engine must be built with BuildConfig.use_refit. With several ranks the source
+        is a directory (unsharded, or a checkpoint of the engine's layout) that every rank reads its share of.
 
         Every name, shape and dtype (and a directory's model config) is checked first, from file headers, before
         anything is read: if anything differs, the error names the first tensor that does and nothing changes. Then
@@ -303,8 +304,13 @@ class LLM:
         meanwhile wait, then run on the new weights: no request mixes the two), copying a layer at a time into the
         tensors the network already holds (CUDA graphs stay valid), and forgets every cached prefix. Returns once
         the new weights are in place."""
-        weights = self.engine.refit_source(source)
-        self._executor.run_when_idle(lambda: self.core.refit(self.engine, weights))
+        if self._parallel is not None:
+            if not isinstance(source, (str, Path)):
+                raise ValueError(f"with {self.config.mapping.world_size} ranks, refit takes a directory every rank "
+                                 "reads its share of, not a state dict: save it as a checkpoint first")
+            source = str(Path(source).absolute())
+        weights = self.engine.refit_source(source)                 # rank 0's share, checked here
+        self._executor.run_when_idle(lambda: self.core.refit(self.engine, weights, source))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (a list of {"role", "content"}) with the prompt for the assistant's turn."""

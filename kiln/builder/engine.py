@@ -88,24 +88,31 @@ class Engine:
         return Path(engine_dir)
 
     def refit(self, source) -> None:
-        """Replace the weights with those of `source` (a Kiln checkpoint directory, a Hugging Face directory or a
-        state dict of the same architecture and shapes; quantized as the engine is), copied into the engine's
-        tensors a layer at a time. Everything is checked first (refit_source): if anything differs, nothing
-        changes. For an engine being served, LLM.update_weights."""
-        for _ in self.refit_units(self.refit_source(source)):
-            pass
+        """Replace the weights of every rank held here with those of `source` (a Kiln checkpoint directory, a
+        Hugging Face directory or a state dict of the same architecture and shapes, each rank cutting its share;
+        quantized as the engine is), copied into the engine's tensors a layer at a time. Everything is checked first
+        (refit_source, every rank): if anything differs, nothing changes. For an engine being served,
+        LLM.update_weights."""
+        sources = {rank: self.refit_source(source, rank) for rank in self.weights}
+        for rank, weights in sources.items():
+            for _ in self.refit_units(weights, rank):
+                pass
 
-    def refit_source(self, source) -> LazyWeights:
-        """`source`'s weights in this engine's layout, checked against it (names, shapes, dtypes, model config),
-        nothing read yet; only a refittable engine (BuildConfig.use_refit) of one rank takes them."""
-        check_refittable(self.pretrained_config, self.build_config, len(self.weights))
-        return refit_source(source, self.pretrained_config)
+    def refit_source(self, source, rank: int | None = None) -> LazyWeights:
+        """`source`'s weights in the layout of this engine's rank `rank` (by default its own), checked against it
+        (names, shapes, dtypes, model config), nothing read yet; only a refittable engine (BuildConfig.use_refit)
+        takes them."""
+        check_refittable(self.build_config)
+        config = self.pretrained_config
+        if rank is not None:
+            config = dataclasses.replace(config, mapping=config.mapping.for_rank(rank))
+        return refit_source(source, config)
 
-    def refit_units(self, weights: LazyWeights):
-        """Copy `weights` (refit_source's) into this engine's tensors a unit (a layer) at a time, yielding each unit
-        after it is copied (for a running network to copy it too). Weights that are themselves lazy (read from their
-        files when used) are replaced by `weights` once every unit went by."""
-        rank = self.pretrained_config.mapping.rank
+    def refit_units(self, weights: LazyWeights, rank: int | None = None):
+        """Copy `weights` (refit_source's) into the tensors of rank `rank` (by default this engine's own) a unit (a
+        layer) at a time, yielding each unit after it is copied (for a running network to copy it too). Weights that
+        are themselves lazy (read from their files when used) are replaced by `weights` once every unit went by."""
+        rank = self.pretrained_config.mapping.rank if rank is None else rank
         held = self.weights[rank]
         for unit in weights.units():
             if not isinstance(held, LazyWeights):

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint import (LazyWeights, is_checkpoint_dir, load_checkpoint, load_checkpoint_config,
+from kiln.checkpoint import (LazyWeights, check_weights, is_checkpoint_dir, load_checkpoint, load_checkpoint_config,
                              read_source_config, source_weights, weight_specs)
 from kiln.checkpoint.hf import state_dict_weights
 from kiln.checkpoint.lazy import layer_units, weights_device
-from kiln.config import BuildConfig, PretrainedConfig
+from kiln.checkpoint.sharding import shard_view
+from kiln.config import BuildConfig, Mapping, PretrainedConfig
 from kiln.models import model_class
 from kiln.utils.fs import exists_or_recovered, read_json_object
 
@@ -32,37 +33,40 @@ _HF_NAME = re.compile(r"model\.|(?:model\.)?layers\.\d+\.(?:self_attn|input_laye
 _PARALLEL = ("mapping", "use_parallel_embedding", "embedding_sharding_dim", "moe_tp_mode")
 
 
-def check_refittable(config: PretrainedConfig, build: BuildConfig, ranks: int = 1) -> None:
-    """Refit needs an engine built with use_refit, of one rank."""
+def check_refittable(build: BuildConfig) -> None:
+    """Refit needs an engine built with use_refit."""
     if not build.use_refit:
         raise ValueError("this engine was built without BuildConfig.use_refit: rebuild it with use_refit=True "
                          "(kiln build --use_refit) to update its weights in place")
-    world = max(config.mapping.world_size, ranks)
-    if world > 1:
-        raise ValueError(f"refit of an engine of {world} ranks (tensor/pipeline parallelism) is not supported yet; "
-                         "refit a one-rank engine, or rebuild this one from the new weights")
 
 
 def refit_source(source, config: PretrainedConfig) -> LazyWeights:
-    """The weights of `source` in the engine layout of `config` (one rank), made a layer at a time when they are
-    used. Checked first, from file headers and specs, nothing read: every tensor the engine has is there, nothing
-    else, each of the engine's shape and dtype (the first that is not is named with both), and a directory's model
-    config is the engine's (quantization first: a float source for a quantized engine is refused)."""
+    """The weights of `source` in the engine layout of `config` (one rank's: cut from an unsharded source, or read
+    from the same rank of a checkpoint of the engine's layout), made a layer at a time when they are used. Checked
+    first, from file headers and specs, nothing read: every tensor the engine has is there, nothing else, each of
+    the engine's shape and dtype (the first that is not is named with both), and a directory's model config is the
+    engine's (quantization first: a float source for a quantized engine is refused)."""
+    full = dataclasses.replace(config, mapping=Mapping())           # the engine's model, unsharded
     if isinstance(source, MappingABC):
-        where, weights = "state dict", _state_dict(source, config)
+        where, weights, source_config = "state dict", _state_dict(source, full), None
     elif isinstance(source, (str, Path)):
         where, weights, source_config = str(source), *_directory(Path(source), config)
     else:
         raise ValueError(f"refit takes a Kiln checkpoint directory, a Hugging Face directory or a state dict (name → "
                          f"tensor), got {type(source).__name__}")
-    model = model_class(config.architecture)(config, weights, source=where)     # check_weights against the engine's
-    if isinstance(source, (str, Path)):
+    if source_config is None or source_config.mapping.world_size == 1:
+        check_weights(weights, full, where)                         # the whole model, before it is cut
+        if config.mapping.world_size > 1:
+            weights = shard_view(full, weights, config.mapping)
+    model = model_class(config.architecture)(config, weights, source=where)     # this rank's share, checked
+    if source_config is not None:
         _check_config(source_config, config, where)
     return model.engine_weights()
 
 
 def _directory(path: Path, config: PretrainedConfig) -> tuple[LazyWeights, PretrainedConfig]:
-    """(the checkpoint-layout weights of a checkpoint or HF directory or GGUF file, lazy; its model config)."""
+    """(the checkpoint-layout weights of a checkpoint or HF directory or GGUF file, lazy: the whole model's, or
+    `config`'s rank of a checkpoint of the engine's layout; its model config)."""
     if not exists_or_recovered(path):
         raise FileNotFoundError(f"refit source {str(path)!r} does not exist")
     if path.is_dir() and (path / "config.json").is_file() and \
@@ -73,7 +77,8 @@ def _directory(path: Path, config: PretrainedConfig) -> tuple[LazyWeights, Pretr
         source_config = load_checkpoint_config(path)
         _check_quantization(source_config, config, str(path))
         _check_ranks(source_config, config, str(path))
-        return load_checkpoint(path, lazy=True)[1], source_config
+        rank = config.mapping.rank if source_config.mapping.world_size > 1 else 0
+        return load_checkpoint(path, rank, lazy=True)[1], source_config
     source_config = read_source_config(path, config.dtype)           # read in the engine's dtype
     _check_quantization(source_config, config, str(path))
     return source_weights(path, source_config)[0], source_config
@@ -121,10 +126,12 @@ def _float_for_quantized(where: str, config: PretrainedConfig) -> str:
 
 
 def _check_ranks(source: PretrainedConfig, config: PretrainedConfig, where: str) -> None:
-    if source.mapping.world_size != config.mapping.world_size:
-        raise ValueError(f"{where} is a checkpoint of {source.mapping.world_size} ranks (tp_size="
-                         f"{source.mapping.tp_size}, pp_size={source.mapping.pp_size}); the engine has "
-                         f"{config.mapping.world_size}: refit from a checkpoint of the engine's layout")
+    """A checkpoint is unsharded (each rank cuts its share) or of the engine's own layout."""
+    theirs, ours = source.mapping, config.mapping
+    if theirs.world_size > 1 and (theirs.tp_size, theirs.pp_size) != (ours.tp_size, ours.pp_size):
+        raise ValueError(f"{where} is a checkpoint of tp_size={theirs.tp_size}, pp_size={theirs.pp_size}; the engine "
+                         f"has tp_size={ours.tp_size}, pp_size={ours.pp_size}: refit from an unsharded checkpoint or "
+                         "one of the engine's layout")
 
 
 def _check_config(source: PretrainedConfig, config: PretrainedConfig, where: str) -> None:

@@ -70,6 +70,12 @@ class ParallelContext:
             self.dist.recv(buffer, src=self.last_stage_rank)
         return buffer
 
+    def all_gather(self, value) -> list:
+        """Every rank's value (any picklable object), in rank order, on every rank (over the host control group)."""
+        values = [None] * self.mapping.world_size
+        self.dist.all_gather_object(values, value, group=self.control)
+        return values
+
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (over the host control group: safe after a failed device call)."""
         t = torch.tensor([int(flag)], dtype=torch.int64)

@@ -10,6 +10,7 @@ from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, StepLogits
 from .request import Request
 from .scheduler import Scheduler
+from .step import Refit
 
 
 def activation_bytes(engine: Engine) -> int:
@@ -161,24 +162,20 @@ class EngineCore:
         self.scheduler.abort(request)
         self.runner.release(request)
 
-    def refit(self, engine: Engine, weights) -> None:
+    def refit(self, engine: Engine, weights, source=None) -> None:
         """Copy new weights (engine.refit_source's, checked) into the engine's tensors and the network's, a layer at
-        a time, with no request in flight (GenerationExecutor.run_when_idle); then forget every cached prefix, whose
-        KV the old weights computed. A failure part way (a file that cannot be read) leaves the weights mixed: the
-        error says so, and a refit that succeeds mends them."""
+        a time, with no request in flight (GenerationExecutor.run_when_idle); with several ranks, each reads its own
+        share of `source` (a directory) and copies it once every rank has opened its share. Then every cached prefix
+        is forgotten: the old weights computed its KV."""
         if self.has_unfinished():
             raise RuntimeError("refit needs an idle engine: requests are still in flight")
-        reached = 0                                     # units copied into the engine (and then the network)
+        parallel = self.runner.parallel
         try:
-            for unit in engine.refit_units(weights):
-                reached += 1
-                self.runner.refit(unit)
-        except Exception as err:
-            if reached == 0:
-                raise                                   # nothing was copied: the old weights are whole
-            raise RuntimeError(f"refit failed after {reached} of {len(weights.unit_names())} layers began to be "
-                               "copied; the engine now holds a mix of old and new weights: refit again "
-                               f"({type(err).__name__}: {err})") from err
+            if parallel is None:
+                copy_refit(engine, self.runner, weights)
+            else:
+                parallel.broadcast(Refit(str(source)))
+                refit_ranks(engine, self.runner, weights, parallel)
         finally:
             self.kv.reset_prefix_cache()
         self.refits += 1
@@ -199,6 +196,51 @@ class EngineCore:
                 "preemptions": sched.stats.preemptions, "overlapped_steps": self.overlapped_steps,
                 "refits": self.refits,
                 "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}
+
+
+def copy_refit(engine: Engine, runner: ModelRunner, weights) -> None:
+    """Copy refit weights into the engine's tensors and the network's, a unit (a layer) at a time. A failure once
+    copying began (a file that cannot be read) leaves the weights mixed: the error says so; a refit that succeeds
+    mends them."""
+    reached = 0                                     # units copied into the engine (and then the network)
+    try:
+        for unit in engine.refit_units(weights):
+            reached += 1
+            runner.refit(unit)
+    except Exception as err:
+        if reached == 0:
+            raise                                   # nothing was copied: the old weights are whole
+        raise RuntimeError(f"refit failed after {reached} of {len(weights.unit_names())} layers began to be copied; "
+                           "the engine now holds a mix of old and new weights: refit again "
+                           f"({type(err).__name__}: {err})") from err
+
+
+def refit_ranks(engine: Engine, runner: ModelRunner, opened, parallel) -> None:
+    """One refit on every rank together (each calls this once rank 0 has broadcast the Refit): `opened` is this
+    rank's share of the source (Engine.refit_source) or the error opening it. No rank copies unless every rank
+    opened its share; rank 0 raises the first rank's failure, the others leave it to rank 0."""
+    failed = _first_failure(parallel.all_gather(_failure(opened)))
+    if failed is not None:
+        if parallel.rank == 0:
+            raise ValueError(f"rank {failed[0]} cannot refit: {failed[1]}; nothing changed")
+        return
+    try:
+        copy_refit(engine, runner, opened)
+        error = None
+    except Exception as err:  # noqa: BLE001 - told to rank 0 below
+        error = err
+    failed = _first_failure(parallel.all_gather(_failure(error)))
+    if failed is not None and parallel.rank == 0:
+        raise RuntimeError(f"rank {failed[0]} failed to copy the new weights ({failed[1]}); the engine now holds a "
+                           "mix of old and new weights: refit again")
+
+
+def _failure(value) -> str | None:
+    return f"{type(value).__name__}: {value}" if isinstance(value, Exception) else None
+
+
+def _first_failure(failures: list[str | None]) -> tuple[int, str] | None:
+    return next(((rank, failure) for rank, failure in enumerate(failures) if failure), None)
 
 
 def _unique(requests: list[Request]) -> list[Request]:

@@ -23,6 +23,13 @@ class Step:
     lora_loads: list = field(default_factory=list)  # (slot, LoRARequest) installed for this step, every rank alike
 
 
+@dataclass
+class Refit:
+    """What rank 0 broadcasts instead of a Step to refit every rank: the source directory each reads its share of."""
+
+    source: str
+
+
 def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
     """Micro-batches of whole sequences with about equal token counts, each with the positions in
     step.logit_rows its logits fill (block copies go with the first)."""

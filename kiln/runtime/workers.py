@@ -23,8 +23,9 @@ from kiln.builder.engine import load_engine_rank
 from kiln.config import KvCacheConfig, LoraCacheConfig, ParallelConfig
 from kiln.distributed import ParallelContext, free_port, init_process_group, launched_rank, rank_device
 
-from .engine_core import plan_kv_blocks
+from .engine_core import plan_kv_blocks, refit_ranks
 from .model_runner import ModelRunner
+from .step import Refit
 
 STOP = None     # what rank 0 broadcasts instead of a Step when it shuts down
 
@@ -65,11 +66,22 @@ def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_
         runner.capture_graphs()
         with torch.inference_mode():
             while (step := parallel.broadcast(None)) is not STOP:
+                if isinstance(step, Refit):
+                    refit_ranks(engine, runner, _opened(engine, step.source), parallel)
+                    continue
                 for slot, lora in step.lora_loads:      # the adapters rank 0 put into slots for this step
                     runner.lora.install(slot, lora)
                 runner.run_step(step)
     finally:
         parallel.close()
+
+
+def _opened(engine, source: str):
+    """This rank's share of a refit source, or the error opening it (refit_ranks tells rank 0)."""
+    try:
+        return engine.refit_source(source)
+    except Exception as err:  # noqa: BLE001 - rank 0 raises it
+        return err
 
 
 def worker_main(rank: int, world_size: int, init_method: str, load_rank, device_type: str, timeout_s: float,

@@ -16,7 +16,7 @@ import torch
 from conftest import hf_greedy, save_tiny_model
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.builder import build_sharded
-from kiln.config import KvCacheConfig, PluginConfig, PretrainedConfig, QuantConfig
+from kiln.config import KvCacheConfig, Mapping, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig
 from kiln.convert import quantize
 from kiln.models import LlamaForCausalLM
 
@@ -166,15 +166,57 @@ def test_a_source_that_differs_changes_nothing(ab, case):
         assert tokens(llm) == ab.a_tokens and llm.stats()["refits"] == 0
 
 
-def test_engines_refit_refuses(ab):
-    """An engine built without use_refit, and one of two ranks, say why."""
+def test_an_engine_built_without_use_refit_is_refused(ab):
     model = LlamaForCausalLM.from_hugging_face(ab.a_dir, quiet=True)
     with LLM(build(model, dataclasses.replace(BUILD, use_refit=False), quiet=True), device="cpu", quiet=True) as llm:
         with pytest.raises(ValueError, match=r"built without BuildConfig\.use_refit"):
             llm.update_weights(ab.b_dir)
         assert tokens(llm) == ab.a_tokens
-    with pytest.raises(ValueError, match="refit of an engine of 2 ranks"):
-        build_sharded(model, BUILD, tp_size=2, pp_size=1, quiet=True).refit(ab.b_ckpt)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_every_rank_of_an_engine_refits_its_share(ab, tmp_path, tp, pp):
+    """Engine.refit on an engine holding two ranks: each cuts its share of an unsharded source (HF state dict,
+    checkpoint) or reads its own rank of a checkpoint of the engine's layout, and equals the rank of an engine
+    built from B; a checkpoint of another layout is refused before anything changes."""
+    a, b = (LlamaForCausalLM.from_hugging_face(path, quiet=True) for path in (ab.a_dir, ab.b_dir))
+    expected = build_sharded(b, BUILD, tp, pp, quiet=True).weights
+    b.save_checkpoint(tmp_path / "sharded", mapping=Mapping(2, 0, tp, pp))
+    b.save_checkpoint(tmp_path / "other", mapping=Mapping(2, 0, pp, tp))
+    for source in (ab.b_hf.state_dict(), ab.b_ckpt, str(tmp_path / "sharded")):
+        engine = build_sharded(a, BUILD, tp, pp, quiet=True)
+        engine.refit(source)
+        for rank, weights in expected.items():
+            assert all(torch.equal(engine.weights[rank][name], t) for name, t in weights.items())
+    engine = build_sharded(a, BUILD, tp, pp, quiet=True)
+    held = {rank: {name: t.clone() for name, t in weights.items()} for rank, weights in engine.weights.items()}
+    with pytest.raises(ValueError, match=f"checkpoint of tp_size={pp}, pp_size={tp}; the engine has tp_size={tp}"):
+        engine.refit(str(tmp_path / "other"))
+    assert all(torch.equal(engine.weights[r][name], t) for r, weights in held.items() for name, t in weights.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_a_parallel_llm_refits_on_every_rank(ab, tmp_path, tp, pp):
+    """TP=2 or PP=2 with a worker process: every rank reads its share of B (an HF dir, a checkpoint of the engine's
+    layout) and the LLM gives B's tokens; a state dict is refused (the worker cannot read it), and a checkpoint whose
+    rank 1 file is gone fails on rank 1 alone and changes nothing on either rank."""
+    b = LlamaForCausalLM.from_hugging_face(ab.b_dir, quiet=True)
+    b.save_checkpoint(tmp_path / "b_sharded", mapping=Mapping(2, 0, tp, pp))
+    a = LlamaForCausalLM.from_hugging_face(ab.a_dir, quiet=True)
+    a.save_checkpoint(tmp_path / "a_sharded", mapping=Mapping(2, 0, tp, pp))
+    (tmp_path / "a_sharded" / "rank1.safetensors").unlink()
+    with served(ab.a_dir, parallel_config=ParallelConfig(tp_size=tp, pp_size=pp)) as llm:
+        assert tokens(llm) == ab.a_tokens
+        llm.update_weights(ab.b_dir)
+        assert tokens(llm) == ab.b_tokens
+        with pytest.raises(ValueError, match="not a state dict"):
+            llm.update_weights(ab.b_hf.state_dict())
+        with pytest.raises(ValueError, match=r"rank 1 cannot refit: FileNotFoundError: .*rank1\.safetensors"):
+            llm.update_weights(tmp_path / "a_sharded")
+        assert tokens(llm) == ab.b_tokens
+        llm.update_weights(tmp_path / "b_sharded")
+        assert tokens(llm) == ab.b_tokens and llm.stats()["refits"] == 2
 
 
 QUANTIZED = {"W8A16": QuantConfig("W8A16"), "W4A16_GPTQ_g32": QuantConfig("W4A16_GPTQ", group_size=32),
