@@ -103,6 +103,9 @@ class Engine:
         (names, shapes, dtypes, model config), nothing read yet; only a refittable engine (BuildConfig.use_refit)
         takes them."""
         check_refittable(self.build_config)
+        if isinstance(source, (str, Path)) and Path(source).is_dir() and is_engine_dir(Path(source)):
+            raise ValueError(f"{source} is a Kiln engine; refit takes the checkpoint or Hugging Face model it was "
+                             "built from (or a state dict)")
         config = self.pretrained_config
         if rank is not None:
             config = dataclasses.replace(config, mapping=config.mapping.for_rank(rank))

@@ -6,9 +6,11 @@ against the engine before any is read.
         ...                                                       # copied into the engine's tensors
 
 A source is a Kiln checkpoint directory, a Hugging Face directory (or GGUF file, read in the engine's dtype), or a
-state dict with Hugging Face names or Kiln checkpoint names (tensors of the engine's dtypes). A quantized engine
-refits from weights quantized the same way (`kiln convert` with the engine's quantization flags); a float source
-for it is refused, as Kiln cannot promise the engine's own rounding (calibrated scales, AWQ/GPTQ searches) here.
+state dict with Hugging Face names or Kiln checkpoint names (tensors of the engine's dtypes); each rank of a sharded
+engine cuts its share of an unsharded source, or reads its own rank of a checkpoint of the engine's layout. A
+quantized engine refits from weights quantized the same way (`kiln convert` with the engine's quantization flags);
+a float source for it is refused, as Kiln cannot promise the engine's own rounding (calibrated scales, AWQ/GPTQ
+searches) here.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from kiln.checkpoint.lazy import layer_units, weights_device
 from kiln.checkpoint.sharding import shard_view
 from kiln.config import BuildConfig, Mapping, PretrainedConfig
 from kiln.models import model_class
-from kiln.utils.fs import exists_or_recovered, read_json_object
+from kiln.utils.fs import exists_or_recovered
 
 _HF_NAME = re.compile(r"model\.|(?:model\.)?layers\.\d+\.(?:self_attn|input_layernorm|post_attention_layernorm|"
                       r"block_sparse_moe)\.")
@@ -69,10 +71,6 @@ def _directory(path: Path, config: PretrainedConfig) -> tuple[LazyWeights, Pretr
     `config`'s rank of a checkpoint of the engine's layout; its model config)."""
     if not exists_or_recovered(path):
         raise FileNotFoundError(f"refit source {str(path)!r} does not exist")
-    if path.is_dir() and (path / "config.json").is_file() and \
-            read_json_object(path / "config.json", "config").get("kiln_format") == "kiln-engine":
-        raise ValueError(f"{path} is a Kiln engine; refit takes the checkpoint or Hugging Face model it was built "
-                         "from (or a state dict)")
     if path.is_dir() and is_checkpoint_dir(path):
         source_config = load_checkpoint_config(path)
         _check_quantization(source_config, config, str(path))

@@ -1,8 +1,9 @@
 """Refit (LLM.update_weights, Engine.refit): an engine built from tiny model A takes the weights of model B (same
 shape, another seed) from an HF directory, a Kiln checkpoint or a state dict, and then gives B's greedy tokens;
 a source that differs in any name, shape, dtype or config field changes nothing; quantized engines refit from B
-quantized the same way, bit for bit; cached prefixes of A are never served after the refit; requests submitted
-before a refit run on A, those after on B; on a GPU the CUDA graphs keep working without a new capture."""
+quantized the same way, bit for bit, into the kernels' own layouts; cached prefixes of A are never served after the
+refit; requests submitted before a refit run on A, those after on B; every rank of a TP/PP engine refits its share;
+on a GPU the CUDA graphs keep working without a new capture."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,6 +82,20 @@ def test_engine_refit_and_saving_a_refitted_llm(ab, tmp_path):
         llm.update_weights(ab.b_dir)
         llm.save(tmp_path / "engine")
     with LLM(str(tmp_path / "engine"), device="cpu", quiet=True) as llm:
+        assert tokens(llm) == ab.b_tokens
+    lazy = build(LlamaForCausalLM.from_hugging_face(ab.a_dir, quiet=True, lazy=True), BUILD, quiet=True)
+    lazy.refit(ab.b_ckpt)                           # weights read from files when used: B's files from now on
+    with LLM(lazy, device="cpu", quiet=True) as llm:
+        assert tokens(llm) == ab.b_tokens
+
+
+@pytest.mark.parametrize("options", [dict(enable_trt_overlap=True),
+                                     dict(enable_chunked_context=True, kv_cache_config=KvCacheConfig(max_tokens=192))])
+def test_refit_under_overlapped_steps_and_chunked_context(ab, options):
+    build_config = dataclasses.replace(BUILD, max_num_tokens=16) if "enable_chunked_context" in options else BUILD
+    with LLM(ab.a_dir, build_config=build_config, device="cpu", quiet=True, **options) as llm:
+        assert tokens(llm) == ab.a_tokens
+        llm.update_weights(ab.b_ckpt)
         assert tokens(llm) == ab.b_tokens
 
 
