@@ -3,7 +3,6 @@ tokenizer, and the transformers reference they are checked against. The one conf
 mirror kiln/<layer>/, and pytest finds this file from every one of them (`from conftest import ...`)."""
 from __future__ import annotations
 
-import copy
 
 import functools
 import os
@@ -142,12 +141,17 @@ def tiny_models(tmp_path_factory):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers greedy decoding, never stopping early (the model's own generation config is left as it is: the
-    models of session fixtures are shared with tests that stop on the end token)."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, generation_config=config)
+    """transformers greedy decoding, never stopping early. The model's end token is restored after: the models of
+    session fixtures are shared with tests that stop on it (and generate() fills an eos_token_id=None passed in a
+    generation config from the model's own, so it must be unset on the model itself)."""
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                                                                    dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
     return out[0, len(prompt_ids):].tolist()
 
 
