@@ -3,7 +3,7 @@ tokenizer, and the transformers reference they are checked against. The one conf
 mirror kiln/<layer>/, and pytest finds this file from every one of them (`from conftest import ...`)."""
 from __future__ import annotations
 
-
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -140,18 +140,25 @@ def tiny_models(tmp_path_factory):
     return {name: (root / name, save_tiny_model(name, root / name)) for name in tiny_hf_configs()}
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers greedy decoding, never stopping early. The model's end token is restored after: the models of
-    session fixtures are shared with tests that stop on it (and generate() fills an eos_token_id=None passed in a
-    generation config from the model's own, so it must be unset on the model itself)."""
+@contextlib.contextmanager
+def end_token_unset(model):
+    """The transformers model with no end token while inside, restored after: the models of session fixtures are
+    shared with tests that stop on it (and generate() fills an eos_token_id=None passed in a generation config from
+    the model's own, so it must be unset on the model itself)."""
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
+        yield model
+    finally:
+        model.generation_config.eos_token_id = eos
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers greedy decoding, never stopping early."""
+    with end_token_unset(model):
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
                                                                                     dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    finally:
-        model.generation_config.eos_token_id = eos
     return out[0, len(prompt_ids):].tolist()
 
 

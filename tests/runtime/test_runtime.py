@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import hf_greedy, make_tokenizer
+from conftest import end_token_unset, hf_greedy, make_tokenizer
 from kiln import LLM, BuildConfig, KvCacheConfig, SamplingConfig, SchedulerPolicy
 from kiln.models import LlamaForCausalLM
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -163,7 +163,6 @@ def test_beam_search_matches_transformers(tiny_models, length_penalty, early_sto
             sampling = SamplingConfig(max_new_tokens=12, num_beams=4, end_id=end_id, length_penalty=length_penalty,
                                       early_stopping=early_stopping)
             out = llm.generate(prompt, sampling)
-            hf_model.generation_config.eos_token_id = end_id
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, num_beams=4, do_sample=False,
                                     length_penalty=length_penalty, early_stopping=early_stopping,
                                     pad_token_id=end_id, eos_token_id=end_id)[0, len(prompt):].tolist()
@@ -247,9 +246,9 @@ def test_repetition_penalty_matches_transformers(llama):
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     with _llm(model) as llm:
         out = llm.generate(prompt, SamplingConfig(max_new_tokens=12, end_id=-1, repetition_penalty=1.5))
-    hf_model.generation_config.eos_token_id = None
-    ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+    with end_token_unset(hf_model):
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                                pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == ref
 
 
