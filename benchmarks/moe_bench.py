@@ -11,7 +11,7 @@ Formats: bf16, fp8 (e4m3 weights per channel, activations per token), fp8_static
 projection), int8 (W8A16), int4 (W4A16 AWQ: groups of 128 with zero points), int4_sym (W4A16 GPTQ layout: groups
 of 128, no zero points). --check compares each layer with the reference loop on its first 64 tokens. --sweep times
 each (format, token count) under every tile choice of `candidates` too and prints the fastest beside the table's
-(MOE_CONFIGS in kiln/kernels/triton/tuning.py).
+(the per-format tables MOE_CONFIGS, MOE_FLOAT_CONFIGS, MOE_FP8_CONFIGS in kiln/kernels/triton/tuning.py).
 """
 from __future__ import annotations
 
