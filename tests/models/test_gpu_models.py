@@ -151,8 +151,7 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
         _same_greedy_tokens_up_to_ties(cpu.outputs[0], gpu.outputs[0])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["FP8", "INT8"])
+@pytest.mark.parametrize("kv", gpu_cases(["FP8", "INT8"], default=["FP8"]))
 def test_quantized_kv_cache_model_matches_the_cpu_path(kv, monkeypatch):
     """A SmolLM2-shaped float32 model with an 8-bit KV cache: CUDA-graph decode steps (mma.sync decode attention,
     split-K for the one-sequence batches) give the reference's greedy tokens on the CPU."""

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import rel_err, tiny_mixtral
+from conftest import gpu_cases, rel_err, tiny_mixtral
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.config import Mapping, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig
 from kiln.convert import convert
@@ -147,8 +147,7 @@ def test_quantized_experts_tp2_equal_tp1(tiny_models, algo, tp_mode):
         assert rel_err(out.context_logits, ref.context_logits) < (2e-2 if algo.startswith("FP8") else 1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algo", [None, "W8A16", "W4A16_AWQ"])
+@pytest.mark.parametrize("algo", gpu_cases([None, "W8A16", "W4A16_AWQ"], default=[None, "W4A16_AWQ"]))
 def test_tiny_mixtral_greedy_tokens_equal_the_cpu_path_in_float32(algo):
     """Prefill and CUDA-graph decode steps through the fused MoE give the reference's greedy tokens (ReferenceOps on
     the CPU, cpu_kernels="reference": CpuOps computes int8/int4 layers in bf16)."""

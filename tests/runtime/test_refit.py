@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import hf_greedy, save_tiny_model
+from conftest import gpu_cases, hf_greedy, save_tiny_model
 from kiln import LLM, BuildConfig, SamplingConfig, build
 from kiln.builder import build_sharded
 from kiln.config import KvCacheConfig, Mapping, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig
@@ -347,8 +347,7 @@ def test_the_network_refits_into_the_gpu_kernels_layouts(mode, device):
     assert all(torch.equal(refitted[name], tensor) for name, tensor in expected.items())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("quant", [None, "W4A16_GPTQ"])
+@pytest.mark.parametrize("quant", gpu_cases([None, "W4A16_GPTQ"], default=[None]))
 def test_cuda_graphs_keep_working_after_refit(quant):
     """On a GPU: the decode graphs captured over A's weights give B's tokens after a refit, with no new capture
     (the same graphs, the same tensors), equal to an engine built from B; int4 layers (the kernels' own packing,
