@@ -221,7 +221,7 @@ def on_gpu(*values, slow: bool = False):
 
 
 # --- the GPU runs ---------------------------------------------------------------------------------------------------
-# `pytest -m gpu`, the default GPU run (about 6 minutes on an H200), takes a few sharp cases of every kernel, dtype and
+# `pytest -m gpu`, the default GPU run (under 6 minutes on an H200), takes a few sharp cases of every kernel, dtype and
 # quantized format and every end-to-end GPU check; `pytest -m gpu_slow` is the sweep (the other shapes, dtypes and
 # layouts, the 32-layer 8B model, repeated runs). A case carries one of the two markers, never both.
 def gpu_cases(cases: list, default: list) -> list:
