@@ -55,8 +55,6 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
     if plugins.lora_plugin not in (None, "auto", config.dtype):
         raise ValueError(f"PluginConfig.lora_plugin={plugins.lora_plugin!r} differs from the model dtype "
                          f"{config.dtype!r}: Kiln computes LoRA products in the model's dtype; use auto")
-    if plugins.lora_plugin is not None:
-        log.say("note: lora_plugin has no effect: Kiln serves LoRA adapters on every engine, in the model's dtype")
     if plugins.use_custom_all_reduce and config.mapping.tp_size == 1:
         raise ValueError("PluginConfig.use_custom_all_reduce needs tensor parallelism (tp_size > 1)")
     if build_config.input_timing_cache or build_config.output_timing_cache:

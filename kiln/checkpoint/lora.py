@@ -229,3 +229,18 @@ def _row_offset(target: str, dims, head_dim: int) -> int:
     """The first row this rank's part of `target` has in the engine's fused layer output."""
     return {"k_proj": dims.heads * head_dim, "v_proj": (dims.heads + dims.kv_heads) * head_dim,
             "up_proj": dims.intermediate}.get(target, 0)
+
+
+def layer_geometry(module: str, config: PretrainedConfig) -> tuple[int, tuple[int, ...]]:
+    """(input features, first output row of each target projection and the end) of the engine layer `module`
+    (layers.3.attn.qkv_proj) on `config.mapping.rank`: the shape the stacked adapter slots of that layer take."""
+    dims, hd = local_dims(config), config.head_dim
+    q, kv, inter = dims.heads * hd, dims.kv_heads * hd, dims.intermediate
+    kind = module.rpartition(".")[2]
+    geometry = {"qkv_proj": (config.hidden_size, (0, q, q + kv, q + 2 * kv)), "o_proj": (q, (0, config.hidden_size)),
+                "gate_up_proj": (config.hidden_size, (0, inter, 2 * inter)),
+                "down_proj": (inter, (0, config.hidden_size))}
+    if kind not in geometry:
+        raise ValueError(f"{module} is not a layer LoRA adapters target")
+    return geometry[kind]
+

@@ -52,9 +52,11 @@ class PluginConfig:
     float32 (as FBGEMM's FP8 inference GEMMs do), a sixth more FP8 throughput; off for
     exact float32 accumulation."""
     lora_plugin: str | None = None
-    """Kept for trtllm-build compatibility: LoRA kernel dtype, auto or the model's dtype (the builder refuses any
-    other). Kiln serves LoRA adapters on every engine, computing their products in the model's dtype, so None and
-    auto build the same engine (a note is printed when it is set)."""
+    """Set (auto, or the model's dtype: the builder refuses any other): the engine reserves its LoRA adapter slots
+    (LoraCacheConfig.max_loras of rank lora_config.max_lora_rank) when it loads, before its KV cache, and captures
+    CUDA graphs with the batched LoRA products, so decode steps with adapters replay graphs too. Engines with stored
+    adapters (lora_config.lora_dir) do so as well. Any other engine still serves adapters, allocating the slots when
+    the first one is asked for and running adapter steps without graphs."""
     programmatic_dependent_launch: bool = True
     """On sm_90+ GPUs each kernel may start while the one before it finishes (it waits for its inputs in the
     kernel), inside CUDA graphs too; off for plain launches. Kiln's own flag: TensorRT-LLM has no such plugin."""

@@ -24,12 +24,13 @@ class TritonOps(ReferenceOps):
     name = "triton"
 
     def __init__(self, options: TritonOptions = TritonOptions()):
-        from .triton import (argmax, decode_attention, fused_moe, launch, norms, paged_attention, quant_linear,
+        from .triton import (argmax, decode_attention, fused_moe, launch, lora, norms, paged_attention, quant_linear,
                              rope_cache)
 
         self.options = options
         self.launch = launch.launch_options(options.pdl)
         self._decode, self._attention, self._rope, self._moe = decode_attention, paged_attention, rope_cache, fused_moe
+        self._lora = lora
         self.products = quant_linear.QuantProducts(options)
         with_launch = lambda fn: functools.partial(fn, launch=self.launch)  # noqa: E731
         self.rms_norm, self.add_rms_norm = with_launch(norms.rms_norm), with_launch(norms.add_rms_norm)
@@ -69,6 +70,14 @@ class TritonOps(ReferenceOps):
         one_warp = self._attention.decode_mma(kv_cache.dtype, head_dim, heads // kv_heads, kv_cache.shape[2],
                                               kv_cache.device)
         return decode_partitions(batch * kv_heads, max_keys, one_warp)
+
+    def lora_in_graphs(self, stack) -> bool:
+        return self._lora.takes(stack)
+
+    def lora(self, out, x, batch: LoraBatch, stack):
+        if batch.rows is not None and self._lora.takes(stack):
+            return self._lora.lora(out, x, batch, stack, self.launch)
+        return reference.lora(out, x, batch, stack)
 
     def moe(self, x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
         return self._moe.fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo,

@@ -8,11 +8,52 @@ import torch
 
 @dataclass
 class LoraBatch:
-    """Which packed tokens of a step run under which LoRA adapter: one (slot, rows) group per adapter slot in use,
-    rows a slice of the packed tokens where they are contiguous, else an index tensor on the device. Tokens in no
-    group run on the base model alone."""
+    """Which packed tokens of a step run under which LoRA adapter. Tokens under no adapter run on the base model
+    alone. Two views of the same grouping: `groups` for the torch products, one (slot, rows) per adapter slot in
+    use, rows a slice of the packed tokens where they are contiguous, else an index tensor on the device; `rows` and
+    `starts` for the GPU kernels (kiln/kernels/triton/lora.py): the packed rows sorted by slot, and where each
+    slot's run begins in them (slot s: rows[starts[s]:starts[s + 1]]; starts has a slot count + 1 entries). A CUDA
+    graph's batch has only the device view (groups None)."""
 
-    groups: list[tuple[int, slice | torch.Tensor]]
+    groups: list[tuple[int, slice | torch.Tensor]] | None
+    rows: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+
+    @staticmethod
+    def of(token_slots: list[int], slots: int, device: torch.device) -> "LoraBatch | None":
+        """The batch of a step whose packed token i runs under adapter slot token_slots[i] (-1: the base model), on
+        `device`; None when no token has an adapter."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        if not by_slot:
+            return None
+        groups = []
+        for slot, rows in by_slot.items():
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            groups.append((slot, slice(rows[0], rows[-1] + 1) if contiguous else
+                           torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)))
+        sorted_rows, starts = sort_by_slot(token_slots, slots)
+        packed = torch.tensor(sorted_rows + starts, dtype=torch.int64).to(device, non_blocking=True)
+        return LoraBatch(groups, packed[:len(sorted_rows)], packed[len(sorted_rows):])
+
+
+def sort_by_slot(token_slots: list[int], slots: int) -> tuple[list[int], list[int]]:
+    """(rows sorted by adapter slot, where each of the `slots` slots' run starts, and the end) of packed tokens
+    under adapter slots token_slots (-1: none; those rows are left out)."""
+    counts = [0] * (slots + 1)
+    for slot in token_slots:
+        if slot >= 0:
+            counts[slot + 1] += 1
+    for s in range(slots):
+        counts[s + 1] += counts[s]
+    at, rows = counts[:-1].copy(), [0] * counts[-1]
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            rows[at[slot]] = row
+            at[slot] += 1
+    return rows, counts
 
 
 @dataclass

@@ -52,24 +52,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def lora(out: torch.Tensor, x: torch.Tensor, batch, adapters: dict) -> torch.Tensor:
+def lora(out: torch.Tensor, x: torch.Tensor, batch, stack) -> torch.Tensor:
     """Add the LoRA products of a step to a layer's output `out` (T, N), in place, and return it. For each group
-    (slot, rows) of `batch` (a LoraBatch: the packed tokens computed under adapter `slot`) and each part of
-    adapters[slot] on this layer (offset, A (r, in), B (n, r), scale: one target projection, writing rows
-    offset .. offset + n of a fused output), out[rows, offset:offset + n] += scale·(x[rows]·Aᵀ)·Bᵀ. A slot without
-    parts (the adapter leaves this layer alone) adds nothing."""
+    (slot, rows) of `batch` (a LoraBatch: the packed tokens computed under adapter `slot`) and each part p of the
+    layer's LoraStack `stack` (kiln/kernels/lora.py), out[rows, bounds[p]:bounds[p + 1]] +=
+    scale[slot, p]·(x[rows]·A_pᵀ)·B_pᵀ. A slot holding no adapter part on this layer adds nothing."""
+    r = stack.rank
     for slot, rows in batch.groups:
-        parts = adapters.get(slot)
-        if not parts:
+        if not stack.filled(slot):
             continue
-        xs = x[rows]                                                        # (t, in)
-        for part in parts:
-            cols = out[:, part.offset:part.offset + part.b.shape[0]]          # (T, n): a view of out
-            shrunk = xs @ part.a.t()                                        # (t, r)
+        shrunk = x[rows] @ stack.a[slot].t()                                 # (t, P·R)
+        for p, (begin, end) in enumerate(zip(stack.bounds, stack.bounds[1:])):
+            scale = stack.host_scale[slot][p]
+            if scale == 0.0:
+                continue
+            cols = out[:, begin:end]                                         # (T, n): a view of out
+            part = shrunk[:, p * r:(p + 1) * r]
             if isinstance(rows, slice):
-                cols[rows].addmm_(shrunk, part.b.t(), alpha=part.scale)
+                cols[rows].addmm_(part, stack.b[slot, begin:end].t(), alpha=scale)
             else:
-                cols.index_add_(0, rows, shrunk @ part.b.t(), alpha=part.scale)
+                cols.index_add_(0, rows, part @ stack.b[slot, begin:end].t(), alpha=scale)
     return out
 
 

@@ -19,7 +19,7 @@ class ReferenceOps:
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
     quant_linear = staticmethod(quant.quant_linear)
-    lora = staticmethod(reference.lora)     # TritonOps runs it too (torch on the GPU): no LoRA kernel of its own yet
+    lora = staticmethod(reference.lora)
     long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
 
     @staticmethod
@@ -37,6 +37,12 @@ class ReferenceOps:
     def folds_norm(before: dict, after: dict) -> bool:
         """Whether the residual add and RMSNorm between two quantized layers (their parameters) fold into their
         products (kiln.kernels.fusion); the reference never folds."""
+        return False
+
+    @staticmethod
+    def lora_in_graphs(stack) -> bool:
+        """Whether a layer's LoRA products (its LoraStack) can run in a CUDA graph: they read the step's grouping
+        of tokens by adapter from device memory only."""
         return False
 
     @staticmethod

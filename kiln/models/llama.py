@@ -47,12 +47,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.lora: dict[int, list] = {}   # adapter slot → its LoRA parts on this layer (kiln.runtime.lora installs)
+        self.lora = None     # the LoRA adapters' slots on this layer, a LoraStack (kiln.runtime.lora puts it)
 
     def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output."""
         out = self.ops.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora:
+        if lora is not None and self.lora is not None:
             out = self.ops.lora(out, x, lora, self.lora)
         return self.ops.silu_and_mul(out) if silu else out
 
@@ -69,7 +69,7 @@ class QuantLinear(nn.Module):
         self.algo = algo
         register_quantized(self, {name: shape for name, shape in shapes.items() if name != "bias"}, algo)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.lora: dict[int, list] = {}   # adapter slot → its LoRA parts on this layer (kiln.runtime.lora installs)
+        self.lora = None     # the LoRA adapters' slots on this layer, a LoraStack (kiln.runtime.lora puts it)
 
     def quant_params(self) -> dict:
         # named_buffers(recurse=False) without its generator machinery: this runs for every layer of every step
@@ -100,7 +100,7 @@ class QuantLinear(nn.Module):
     def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output (its
         GEMV may apply it when no adapter adds to it)."""
-        if lora is not None and self.lora:
+        if lora is not None and self.lora is not None:
             out = self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
             out = self.ops.lora(out, x, lora, self.lora)
             return self.ops.silu_and_mul(out) if silu else out

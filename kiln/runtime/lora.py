@@ -1,10 +1,15 @@
 """The LoRA adapters of a running engine (one rank's share of each).
 
-    LoRARequest ──register (caller's thread: read, checked)──▶ host cache (max_cpu_loras, LRU)
+    LoRARequest ──register (caller's thread: read, checked, laid out per layer)──▶ host cache (max_cpu_loras, LRU)
                                                                    │ assign (engine thread, per step)
                                                                    ▼
-    device slots 0..max_loras-1 (LRU; never evicting one a running request uses) ── each linear layer's .lora[slot]
+    device slots 0..max_loras-1 (LRU; never evicting one a running request uses) ── each layer's LoraStack
     Step.lora_slots (adapter slot per sequence) ──batch──▶ LoraBatch: the packed tokens of each slot
+
+Each linear layer an adapter may target holds a LoraStack (kiln/kernels/lora.py): the A, B and scales of every
+slot, at fixed addresses. An engine that reserves them (`reserve`: it was built with lora_plugin or stored
+adapters) allocates the stacks at load, before its KV cache and CUDA graphs, which then run adapters too; any other
+engine allocates them when its first adapter is installed, and runs adapter steps without graphs.
 
 Rank 0 decides the slots and sends what it installed this step in the Step (`lora_loads`); other ranks install the
 same adapters (read from the same directories, cut for their rank) into the same slots.
@@ -16,9 +21,10 @@ from collections import OrderedDict
 
 import torch
 
-from kiln.checkpoint.lora import LoraAdapter, load_adapter
+from kiln.checkpoint.lora import LoraAdapter, layer_geometry, load_adapter
 from kiln.config import LoraCacheConfig, LoraConfig, PretrainedConfig
 from kiln.kernels import LoraBatch
+from kiln.kernels.lora import LoraImage, LoraStack, lora_image
 
 from .request import LoRARequest, Request
 from .step import Step
@@ -28,17 +34,19 @@ class LoraManager:
     """Host cache, device slots and per-step token groups of the LoRA adapters of one rank's network."""
 
     def __init__(self, net, config: PretrainedConfig, lora_config: LoraConfig, cache: LoraCacheConfig,
-                 device: torch.device):
+                 device: torch.device, reserve: bool = False):
         self.net, self.config, self.device = net, config, device
         self.max_rank, self.targets = lora_config.max_lora_rank, lora_config.target_modules
         self.max_loras, self.host_capacity = cache.max_loras, cache.host_capacity
         self.known: dict[str, LoRARequest] = {}                       # name → the adapter it stands for
         self.ids: dict[int, str] = {}                                 # LoRARequest.id → name
-        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()      # least recently used first
+        self.host: OrderedDict[str, dict[str, LoraImage]] = OrderedDict()   # name → layer → image; LRU first
+        self.stacks: dict[str, LoraStack] = {}                        # layer name → its slots (allocated once)
         self.slots: OrderedDict[str, int] = OrderedDict()             # name → device slot, least recently used first
-        self.installed: dict[int, list] = {}                          # slot → the layers holding its parts
         self.lock = threading.Lock()                                  # register runs on callers' threads
         self.reads = 0                                                # adapters read from disk (for tests, stats)
+        if reserve:
+            self._allocate()
 
     # --- host side -------------------------------------------------------------------------------------------
     def register(self, request: LoRARequest) -> None:
@@ -62,18 +70,57 @@ class LoraManager:
             if request.id is not None:
                 self.ids[request.id] = request.name
 
-    def _read(self, request: LoRARequest) -> LoraAdapter:
-        """The adapter from the host cache, or read from its directory (and the least recently used dropped)."""
-        adapter = self.host.get(request.name)
-        if adapter is None:
+    def _read(self, request: LoRARequest) -> dict[str, LoraImage]:
+        """The adapter's per-layer images from the host cache, or read from its directory and laid out (and the
+        least recently used adapter dropped)."""
+        images = self.host.get(request.name)
+        if images is None:
             adapter = load_adapter(request.path, self.config, self.max_rank, self.targets, request.name)
             self.net.lora_layers(adapter.modules)              # the network can take it (refused before it runs)
+            images = self._images(adapter)
             self.reads += 1
-            self.host[request.name] = adapter
+            self.host[request.name] = images
             while len(self.host) > self.host_capacity:
                 self.host.popitem(last=False)
         self.host.move_to_end(request.name)
-        return adapter
+        return images
+
+    def _images(self, adapter: LoraAdapter) -> dict[str, LoraImage]:
+        """Each targeted layer's slot image of `adapter`, on the host (pinned where it goes to a GPU)."""
+        images = {}
+        for name, parts in adapter.modules.items():
+            image = lora_image(parts, *layer_geometry(name, self.config), self.max_rank, self.dtype)
+            images[name] = image.pin() if self.device.type == "cuda" else image
+        return images
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.config.dtype)
+
+    def _allocate(self) -> None:
+        """A LoraStack of max_loras slots on every layer an adapter may target, put on the layer."""
+        if self.stacks:
+            return
+        names = [f"layers.{i}.{module}" for i in self.net.layers.keys() for module in self._modules()]
+        try:
+            for name, layer in self.net.lora_layers(names).items():
+                self.stacks[name] = LoraStack(*layer_geometry(name, self.config), self.max_loras, self.max_rank,
+                                              self.dtype, self.device)
+        except torch.OutOfMemoryError:
+            self.stacks.clear()
+            raise RuntimeError(f"no device memory left for {self.max_loras} LoRA adapter slots of rank "
+                               f"{self.max_rank}; build the engine with lora_plugin (or stored adapters) so the "
+                               "slots are reserved at load, or lower max_loras / max_lora_rank") from None
+        for name, layer in self.net.lora_layers(list(self.stacks)).items():
+            layer.lora = self.stacks[name]
+
+    def _modules(self) -> list[str]:
+        """The engine modules (attn.qkv_proj, ...) the engine's target projections live in."""
+        modules = {"q_proj": "attn.qkv_proj", "k_proj": "attn.qkv_proj", "v_proj": "attn.qkv_proj",
+                   "o_proj": "attn.o_proj", "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
+                   "down_proj": "mlp.down_proj"}
+        wanted = [modules[t] for t in self.targets if not (self.config.is_moe and modules[t].startswith("mlp"))]
+        return list(dict.fromkeys(wanted))
 
     # --- device slots (engine thread) ------------------------------------------------------------------------
     def assign(self, scheduled: list[Request], running: list[Request]) -> tuple[dict[str, int], list, list]:
@@ -110,47 +157,32 @@ class LoraManager:
         return self.slots.pop(victim)
 
     def install(self, slot: int, lora: LoRARequest) -> None:
-        """Put the adapter's parts on the device in `slot` of each layer it targets (replacing the slot's adapter)."""
+        """Copy the adapter's images into `slot` of every layer's stack (replacing the slot's adapter)."""
+        self._allocate()
         with self.lock:
-            adapter = self._read(lora).to(self.device)
-        for layer in self.installed.pop(slot, []):
-            layer.lora.pop(slot, None)
+            images = self._read(lora)
         for name in [n for n, s in self.slots.items() if s == slot]:
             del self.slots[name]
-        layers = self.net.lora_layers(adapter.modules)
-        for name, parts in adapter.modules.items():
-            layers[name].lora[slot] = parts
-        self.installed[slot] = list(layers.values())
+        for name, stack in self.stacks.items():
+            stack.load(slot, images.get(name))
         self.slots[lora.name] = slot
 
     def close(self) -> None:
         """Drop the network and every adapter (ModelRunner.close frees the device memory)."""
         with self.lock:
+            if self.net is not None and self.stacks:
+                for layer in self.net.lora_layers(list(self.stacks)).values():
+                    layer.lora = None
             self.net = None
             self.host.clear()
             self.slots.clear()
-            self.installed.clear()
+            self.stacks.clear()
 
     # --- a step's tokens --------------------------------------------------------------------------------------
     def batch(self, step: Step) -> LoraBatch | None:
-        """The packed tokens of each adapter slot in the step (contiguous runs as slices), or None: no adapter."""
+        """The packed tokens of each adapter slot in the step, or None: no adapter."""
         if step.lora_slots is None:
             return None
-        runs: dict[int, list[tuple[int, int]]] = {}
         starts = step.query_start_loc
-        for i, slot in enumerate(step.lora_slots):
-            if slot < 0:
-                continue
-            spans = runs.setdefault(slot, [])
-            if spans and spans[-1][1] == starts[i]:
-                spans[-1] = (spans[-1][0], starts[i + 1])
-            else:
-                spans.append((starts[i], starts[i + 1]))
-        groups = []
-        for slot, spans in runs.items():
-            if len(spans) == 1:
-                groups.append((slot, slice(*spans[0])))
-            else:
-                rows = [row for begin, end in spans for row in range(begin, end)]
-                groups.append((slot, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)))
-        return LoraBatch(groups) if groups else None
+        token_slots = [slot for i, slot in enumerate(step.lora_slots) for _ in range(starts[i], starts[i + 1])]
+        return LoraBatch.of(token_slots, self.max_loras, self.device)

@@ -92,7 +92,8 @@ class ModelRunner:
         self.kernels_compiled_at_load: int | None = None
         self.generators: dict[tuple[int, int], torch.Generator] = {}
         self.last_logits: dict[int, torch.Tensor] = {}     # seq id → (V,) logits of its last computed token
-        self.lora = LoraManager(self.net, config, build.lora_config, lora_cache or LoraCacheConfig(), device)
+        reserve = plugins.lora_plugin is not None or bool(build.lora_config.lora_dir)
+        self.lora = LoraManager(self.net, config, build.lora_config, lora_cache or LoraCacheConfig(), device, reserve)
         self._adapters: tuple[dict[str, int], list] | None = None    # the next launch's (slots, loads)
 
     @property
@@ -118,8 +119,10 @@ class ModelRunner:
         from .cuda_graphs import CudaGraphs
         try:
             with torch.inference_mode():
+                stacks = list(self.lora.stacks.values())
+                lora_slots = self.lora.max_loras if stacks and all(map(self.net.ops.lora_in_graphs, stacks)) else 0
                 self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
-                                         self.tokens_per_block, self._parts, self.net.ops.long_context)
+                                         self.tokens_per_block, self._parts, self.net.ops.long_context, lora_slots)
         except RuntimeError as err:
             if self.parallel is None:
                 raise
@@ -263,14 +266,15 @@ class ModelRunner:
     def run_step(self, step: Step, fill=None) -> torch.Tensor | None:
         """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32, or the model's
         dtype from a CUDA graph). Steps where every sequence computes its one next token replay a CUDA graph when
-        there is one (and no sequence runs a LoRA adapter). `fill`: (packed rows, device tokens) to put into the
+        there is one (with LoRA adapters: when the graphs were captured with them). `fill`: (packed rows, device tokens) to put into the
         input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
-                and self.graphs.fits(n) and step.lora_slots is None):
+                and self.graphs.fits(n) and (step.lora_slots is None or self.graphs.lora_slots)):
             self._copy_blocks(step.block_copies)
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                   step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill)
+                                   step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill,
+                                   lora_slots=step.lora_slots)
         if self.parallel is not None and self.config.mapping.pp_size > 1:
             return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)

@@ -45,3 +45,7 @@ def test_fused_moe():
 @pytest.mark.slow
 def test_fused_moe_in_a_model():
     _interpreted("test_fused_moe.py", keyword="in_a_model")
+
+
+def test_lora_products():
+    _interpreted("test_lora_kernels.py")

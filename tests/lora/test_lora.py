@@ -10,7 +10,6 @@ from conftest import hf_greedy
 from peft_adapters import make_adapter, randomized
 from kiln import LLM, BuildConfig, LoraCacheConfig, LoRARequest, SamplingConfig
 from kiln.config import KvCacheConfig, ParallelConfig, PluginConfig
-from kiln.kernels import LoraBatch, reference
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BUILD = dict(max_batch_size=4, max_input_len=64, max_seq_len=96)
@@ -157,34 +156,44 @@ def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_path,
                             lora_request=LoRARequest("smol", tmp_path / "smol")).token_ids == expected
 
 
+def test_lora_plugin_reserves_the_slots_at_load(tiny_models, adapters):
+    """With lora_plugin set the adapter slots exist when the engine has loaded (before its KV cache); without, they
+    are allocated for the first adapter. Both give the same tokens."""
+    hf_dir, _ = tiny_models["llama"]
+    loras = [adapters["all"][0], None, adapters["kv_mlp"][0], adapters["attn_rslora_bin"][0]]
+    with _llm(hf_dir) as llm:
+        assert not llm.core.runner.lora.stacks
+        plain = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)]
+        assert llm.core.runner.lora.stacks
+    with _llm(hf_dir, build={"plugin_config": PluginConfig(lora_plugin="auto")},
+              lora_cache_config=LoraCacheConfig(max_loras=3)) as llm:
+        stacks = llm.core.runner.lora.stacks
+        assert len(stacks) == 2 * 4 and all(s.a.shape[0] == 3 and s.rank == 64 for s in stacks.values())
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == plain
+
+
+@pytest.mark.gpu
+def test_adapters_run_in_cuda_graphs_and_equal_the_cpu_path(tiny_models, adapters, monkeypatch):
+    """On a GPU, an engine with lora_plugin captures graphs with the batched LoRA kernels; decode steps mixing three
+    adapters and the base model replay them and give the CPU path's greedy tokens (float32)."""
+    from kiln.runtime.cuda_graphs import CudaGraphs
+
+    hf_dir, _ = tiny_models["llama"]
+    loras = [adapters["all"][0], None, adapters["kv_mlp"][0], adapters["attn_rslora_bin"][0]]
+    with _llm(hf_dir) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)]
+    replays = []
+    run = CudaGraphs.run
+    monkeypatch.setattr(CudaGraphs, "run", lambda self, *a, **kw: replays.append(kw.get("lora_slots")) or
+                        run(self, *a, **kw))
+    build = BuildConfig(**BUILD, plugin_config=PluginConfig(lora_plugin="auto"))
+    with LLM(hf_dir, build_config=build, quiet=True, device="cuda") as llm:
+        assert llm.core.runner.graphs.lora_slots == LoraCacheConfig().max_loras
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == expected
+        assert sum(slots is not None and len(set(slots)) == 4 for slots in replays) >= GREEDY.max_new_tokens - 2
+
+
 # --- the pieces ---------------------------------------------------------------------------------------------------
-class _Part:
-    def __init__(self, offset, a, b, scale):
-        self.offset, self.a, self.b, self.scale = offset, a, b, scale
-
-
-def test_reference_lora_product_in_float64():
-    """Token groups as a slice and as scattered rows, parts writing rows of a fused output, a slot with no part
-    on the layer, tokens of the base model untouched."""
-    g = torch.Generator().manual_seed(0)
-    x, base = torch.randn(7, 12, generator=g, dtype=torch.float64), torch.randn(7, 20, generator=g, dtype=torch.float64)
-    parts = {0: [_Part(0, torch.randn(3, 12, generator=g, dtype=torch.float64),
-                       torch.randn(8, 3, generator=g, dtype=torch.float64), 0.5),
-                 _Part(12, torch.randn(3, 12, generator=g, dtype=torch.float64),
-                       torch.randn(8, 3, generator=g, dtype=torch.float64), 2.0)],
-             1: [_Part(8, torch.randn(5, 12, generator=g, dtype=torch.float64),
-                       torch.randn(4, 5, generator=g, dtype=torch.float64), 1.5)],
-             2: []}
-    groups = [(0, slice(0, 2)), (1, torch.tensor([2, 5])), (2, slice(6, 7))]
-    out = reference.lora(base.clone(), x, LoraBatch(groups), parts)
-    expected = base.clone()
-    for slot, rows in groups:
-        for p in parts[slot]:
-            expected[rows, p.offset:p.offset + p.b.shape[0]] += p.scale * x[rows] @ p.a.T @ p.b.T
-    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
-    assert torch.equal(out[[3, 4, 6]], base[[3, 4, 6]]) and not torch.equal(out, base)
-
-
 def test_prefix_keys_carry_the_adapter():
     from kiln.runtime.kv_cache import block_key
 

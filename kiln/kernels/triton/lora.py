@@ -1,0 +1,123 @@
+"""Batched LoRA products on the GPU: many adapters in one step, each token under its own (reference: reference.lora).
+
+A step's tokens are grouped by adapter slot (LoraBatch.rows: packed rows sorted by slot; LoraBatch.starts: where
+each slot's run begins). Two kernels add a layer's products to its output, every slot in one launch:
+  shrink  (row block, K split, slot) → partial[split, row] = x[row, K part]·A[slot]ᵀ        (float32, P·R columns)
+  expand  (row block, column tile, slot) → out[row, tile] += scale[slot, p]·(Σ partial[:, row, p·R:(p+1)·R])·B_pᵀ
+where p is the projection (q, k, v, gate, up) the column tile belongs to. A program whose slot has no tokens in its
+row block returns at once, so the grids can be sized for the worst case (every token under one adapter) and both
+kernels are captured in CUDA graphs with the step's grouping read from device memory. Splitting K keeps a decode
+step's few tokens spread over the GPU; the partial sums are reduced by the expand, so nothing is zeroed first.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch_args, wait_for_inputs
+
+WAVE = 264          # programs the shrink aims for when the whole step is under one adapter (two per SM of an H200)
+
+
+@triton.jit
+def _slot_rows(rows_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
+    """The packed rows of `slot` in row block pid_m (a mask for those past its run), and whether there are any."""
+    begin = tl.load(starts_ptr + slot)
+    end = tl.load(starts_ptr + slot + 1)
+    at = begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_slot = at < end
+    rows = tl.load(rows_ptr + at, mask=in_slot, other=0).to(tl.int64)
+    return rows, in_slot, begin + pid_m * BLOCK_M < end
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, stride_x,
+                        PR: tl.constexpr, PR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pid_m, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
+    rows, in_slot, any_rows = _slot_rows(rows_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    if any_rows:
+        r = tl.arange(0, PR_PAD)
+        kk = tl.arange(0, BLOCK_K)
+        a_slot = a_ptr + slot.to(tl.int64) * PR * K
+        acc = tl.zeros((BLOCK_M, PR_PAD), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, SPLIT * BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=in_slot[:, None] & (k[None, :] < K),
+                        other=0.0)
+            a = tl.load(a_slot + r[None, :] * K + k[:, None], mask=(r[None, :] < PR) & (k[:, None] < K), other=0.0)
+            acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        out = partial_ptr + (pid_k * T + rows[:, None]) * PR_PAD + r[None, :]
+        tl.store(out, acc, mask=in_slot[:, None])
+
+
+@triton.jit
+def _lora_expand_kernel(out_ptr, partial_ptr, b_ptr, scale_ptr, rows_ptr, starts_ptr, T, N, stride_out, BOUND1, BOUND2,
+                        R: tl.constexpr, PR_PAD: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
+    rows, in_slot, any_rows = _slot_rows(rows_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    first = pid_n * BLOCK_N
+    part = (first >= BOUND1).to(tl.int32) + (first >= BOUND2).to(tl.int32)   # a tile lies in one projection
+    scale = tl.load(scale_ptr + slot * PARTS + part)
+    if any_rows & (scale != 0.0):
+        rr = tl.arange(0, R)
+        shrunk = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for split in range(SPLIT):
+            shrunk += tl.load(partial_ptr + (split * T + rows[:, None]) * PR_PAD + part * R + rr[None, :],
+                              mask=in_slot[:, None], other=0.0)
+        cols = first + tl.arange(0, BLOCK_N)
+        b = tl.load(b_ptr + slot.to(tl.int64) * N * R + cols[None, :] * R + rr[:, None], mask=cols[None, :] < N,
+                    other=0.0)                                                   # (R, BLOCK_N): B_pᵀ's tile
+        delta = tl.dot(shrunk.to(b.dtype), b, input_precision=PRECISION) * scale
+        at = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        keep = in_slot[:, None] & (cols[None, :] < N)
+        before = tl.load(at, mask=keep, other=0.0)
+        tl.store(at, (before.to(tl.float32) + delta).to(before.dtype), mask=keep)
+
+
+def column_tile(bounds: tuple[int, ...]) -> int:
+    """The expand's column tile for a layer whose projections start at `bounds`: a power of two dividing every
+    projection's first row (so no tile straddles two), at most 128; 0 where that is under 16 (the products then
+    run in torch)."""
+    inner = math.gcd(*bounds[1:-1]) if len(bounds) > 2 else 0
+    tile = 128 if inner == 0 else min(128, inner & -inner)
+    return tile if tile >= 16 else 0
+
+
+def takes(stack) -> bool:
+    """Whether the kernels compute this layer's products (at most three projections, tiles that fit them)."""
+    return stack.parts <= 3 and column_tile(stack.bounds) > 0
+
+
+def lora(out: torch.Tensor, x: torch.Tensor, batch, stack, launch: dict | None = None) -> torch.Tensor:
+    """Add the step's LoRA products to the layer output `out` (T, N), in place (reference.lora's result); `stack`
+    is the layer's LoraStack (kiln/kernels/lora.py), `batch` the step's LoraBatch with its rows and starts on the
+    device."""
+    launch = launch_args(launch)
+    tokens, k = x.shape
+    slots, pr, r = stack.a.shape[0], stack.a.shape[1], stack.rank
+    pr_pad = triton.next_power_of_2(pr)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    block_m = 16 if tokens <= 64 or pr_pad > 128 else 64
+    block_k = 128 if pr_pad <= 64 else 64
+    row_blocks = triton.cdiv(tokens, block_m)
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(WAVE, row_blocks)))
+    partial = torch.empty((split, tokens, pr_pad), dtype=torch.float32, device=x.device)
+    _lora_shrink_kernel[(row_blocks, split, slots)](
+        x, stack.a, batch.rows, batch.starts, partial, tokens, k, x.stride(0), PR=pr, PR_PAD=pr_pad,
+        BLOCK_M=block_m, BLOCK_K=block_k, SPLIT=split, PRECISION=precision, num_warps=4, **launch)
+    bounds, n = stack.bounds, out.shape[1]
+    tile = column_tile(bounds)
+    inner = list(bounds[1:-1]) + [n] * (3 - len(bounds[1:-1]))
+    _lora_expand_kernel[(row_blocks, triton.cdiv(n, tile), slots)](
+        out, partial, stack.b, stack.scale, batch.rows, batch.starts, tokens, n, out.stride(0), inner[0], inner[1],
+        R=r, PR_PAD=pr_pad, PARTS=stack.parts, BLOCK_M=block_m, BLOCK_N=tile, SPLIT=split, PRECISION=precision,
+        num_warps=4, **launch)
+    return out
