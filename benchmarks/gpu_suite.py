@@ -3,7 +3,7 @@ llama-3.1-8b by default, mixtral-8x7b, llama-3.1-70b; random weights of the real
 a time). Each result prints as it comes; all of them go to $OUT/suite.json
 (OUT defaults to /tmp).
 
-    python benchmarks/gpu_suite.py --phases checks,latency,throughput,load,quant [--model M] [--quick] [--profile]
+    python benchmarks/gpu_suite.py --phases checks,latency,throughput,load,quant,lora [--model M] [--quick] [--profile]
 
 Needs Kiln installed (`pip install -e .`, as the README says) and a CUDA GPU. Phases (every run starts with the
 GPU, torch and Triton versions and the measured copy and GEMM rates):
@@ -18,6 +18,9 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               reporting the kernels compiled at load (0: the engine carried them all)
   quant       batch-1 decode per mode of --latency_modes (bf16, W4A16_AWQ, W8A16, ...; +lm_head quantizes the LM
               head too), then FP8 128/128 throughput (FP8 weights and KV cache, FP8 LM head) unless --quick
+  lora        8 random adapters of rank 16 on all seven projections, on an engine with lora_plugin (bf16): batch-1
+              decode with one adapter and without, 128/128 throughput over --requests requests spread evenly over
+              the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
 --profile writes torch profiler tables to $OUT: the latency phase's decode steps, and after each throughput run
 a batch of --max_batch prompts generating 8 tokens.
 """
@@ -92,22 +95,26 @@ def checks(args):
 
 
 def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_batch: int,
-               quant: QuantConfig | None = None, **kwargs) -> LLM:
+               quant: QuantConfig | None = None, lora: bool = False, **kwargs) -> LLM:
     """A random engine of args.model's shape, loaded: its weights made on the GPU a layer at a time, kernels
-    compiled, graphs captured. Logs the seconds from nothing to the ready LLM."""
+    compiled, graphs captured (`lora`: with its LoRA adapter slots reserved). Logs the seconds from nothing to the
+    ready LLM."""
     start = time.time()
-    engine = bench.random_engine(args.model, "bfloat16",
-                                 bench.default_bench_build(mode, input_len, output_len, max_batch), quant_config=quant)
+    build = bench.default_bench_build(mode, input_len, output_len, max_batch)
+    if lora:
+        build.plugin_config.lora_plugin = "auto"
+    engine = bench.random_engine(args.model, "bfloat16", build, quant_config=quant)
     llm = LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True, **kwargs)
     log(f"{key}_engine_ready_s", round(time.time() - start, 1))
     return llm
 
 
-def _decode(llm, model: str, prompts: int, new_tokens: int, dtype: str):
-    """Batch-1 decode over `prompts` prompts of 128 tokens, one at a time, the first a warm-up."""
+def _decode(llm, model: str, prompts: int, new_tokens: int, dtype: str, lora=None):
+    """Batch-1 decode over `prompts` prompts of 128 tokens, one at a time, the first a warm-up (under the LoRA
+    adapter `lora` where given)."""
     outputs, elapsed = [], 0.0
     for i, prompt in enumerate(bench.random_prompts(prompts, 128, llm.engine.pretrained_config.vocab_size)):
-        out, seconds = bench.run_requests(llm, [prompt], new_tokens)
+        out, seconds = bench.run_requests(llm, [prompt], new_tokens, loras=[lora] if lora else None)
         if i:
             outputs += out
             elapsed += seconds
@@ -170,6 +177,57 @@ def throughput(args):
                     args.max_batch)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@phase
+def lora(args):
+    from kiln import LoraCacheConfig
+
+    config = bench.shape_config(args.model, "bfloat16")
+    workdir = tempfile.TemporaryDirectory(prefix="kiln-lora-", dir=args.work_dir)
+    adapters = bench.random_adapters(config, workdir.name, 9, 16)
+    cache = LoraCacheConfig(max_loras=8, max_cpu_loras=9)
+    with _ready_llm(args, "lora_latency", "latency", 128, 128, 1, lora=True, lora_cache_config=cache) as llm:
+        base = _decode(llm, args.model, 4, 128, "bfloat16")
+        with_adapter = _decode(llm, args.model, 4, 128, "bfloat16", lora=adapters[0])
+        log("lora_bs1_base_tok_s", round(1e3 / base.tpot_ms["p50"], 1))
+        log("lora_bs1_adapter_tok_s", round(1e3 / with_adapter.tpot_ms["p50"], 1))
+        log("lora_bs1_pct_of_base", round(100 * base.tpot_ms["p50"] / with_adapter.tpot_ms["p50"], 1))
+        manager = llm.core.runner.lora
+        for adapter in adapters:
+            manager.register(adapter)                       # read and laid out in host memory, as a request does
+        times = []
+        for i in range(16):                                 # each into a slot another adapter held
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            manager.install(i % 8, adapters[(i + 1) % 9])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        log("lora_switch_ms_p50", round(1e3 * sorted(times)[len(times) // 2], 2))
+        log("lora_switch_ms_max", round(1e3 * max(times), 2))
+    gc.collect()
+    torch.cuda.empty_cache()
+    with _ready_llm(args, "lora_throughput", "throughput", 128, 128, args.max_batch, lora=True,
+                    lora_cache_config=cache, enable_trt_overlap=True) as llm:
+        vocab = config.vocab_size
+        bench.warm_up(llm, 128, 128, vocab, args.max_batch, args.requests)
+        bench.run_requests(llm, bench.random_prompts(64, 128, vocab, seed=2), 8, loras=adapters[:8])   # warm
+        rates = {}
+        for key, loras in (("base", None), ("adapters", adapters[:8])):
+            torch.cuda.synchronize()
+            outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, vocab), 128, loras=loras)
+            rates[key] = bench.summarize("throughput", args.model, "bfloat16", outputs, elapsed, 128, 128).output_tok_s
+            log(f"lora_throughput_128_128_{key}_out_tok_s", round(rates[key], 1))
+        log("lora_throughput_pct_of_base", round(100 * rates["adapters"] / rates["base"], 1))
+        if args.profile:
+            with_loras = bench.random_prompts(args.max_batch, 128, vocab, seed=5)
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                bench.run_requests(llm, with_loras, 8, loras=adapters[:8])
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            with open(os.path.join(OUT, "profile_lora.txt"), "w") as f:
+                f.write(table)
+    workdir.cleanup()
 
 
 LOAD_CHILD = """
@@ -244,7 +302,8 @@ def quant(args):
                     fp8)
 
 
-PHASES = {"checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant}
+PHASES = {"checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+          "lora": lora}
 
 
 def main():

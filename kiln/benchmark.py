@@ -17,7 +17,7 @@ import torch
 
 from kiln.builder import Engine, build
 from kiln.checkpoint.lazy import meta_tensors
-from kiln.config import BuildConfig, KvCacheConfig, Mapping, PretrainedConfig
+from kiln.config import LORA_TARGET_MODULES, BuildConfig, KvCacheConfig, Mapping, PretrainedConfig
 from kiln.runtime.sampling import SamplingConfig
 
 LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -202,14 +202,16 @@ def random_prompts(num: int, input_len: int, vocab: int, seed: int = 0, spread: 
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
-def run_requests(llm, prompts: list[list[int]], output_len: int, request_rate: float | None = None, seed: int = 0):
-    """Submit every prompt (all at once, or at a Poisson request rate) and wait for all; returns outputs, seconds."""
+def run_requests(llm, prompts: list[list[int]], output_len: int, request_rate: float | None = None, seed: int = 0,
+                 loras: list | None = None):
+    """Submit every prompt (all at once, or at a Poisson request rate; prompt i under the LoRA adapter
+    loras[i % len(loras)] where given) and wait for all; returns outputs, seconds."""
     sampling = SamplingConfig(max_new_tokens=output_len, min_tokens=output_len, end_id=-1)
     rng = random.Random(seed)
     start = time.perf_counter()
     results = []
-    for prompt in prompts:
-        results.append(llm.generate_async(prompt, sampling))
+    for i, prompt in enumerate(prompts):
+        results.append(llm.generate_async(prompt, sampling, lora_request=loras[i % len(loras)] if loras else None))
         if request_rate:
             time.sleep(rng.expovariate(request_rate))
     outputs = [r.result() for r in results]
@@ -302,6 +304,40 @@ def hf_baseline(model: str, dtype: str, batch: int, input_len: int, output_len: 
     torch.cuda.empty_cache()
     return {"mode": "hf_baseline", "model": model, "batch": batch, "input_len": input_len, "output_len": output_len,
             "output_tok_s": batch * output_len / elapsed, "elapsed_s": elapsed}
+
+
+def random_adapters(config: PretrainedConfig, root, count: int, rank: int,
+                    targets: tuple[str, ...] = LORA_TARGET_MODULES, seed: int = 0) -> list:
+    """`count` Hugging Face PEFT adapters of `rank` on `targets` of every layer of a model of `config`'s shape,
+    with random A and B (made on the GPU where there is one), written under `root`; returns their LoRARequests."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from kiln.checkpoint.lora import base_shape
+    from kiln.runtime.request import LoRARequest
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    requests = []
+    for i in range(count):
+        path = Path(root) / f"adapter{i}"
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for target in targets:
+                out, inp = base_shape(target, config)
+                block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                a = torch.randn((rank, inp), generator=generator, device=device) / inp ** 0.5
+                b = torch.randn((out, rank), generator=generator, device=device) * 0.01
+                tensors[f"{key}.lora_A.weight"] = a.to(getattr(torch, config.dtype)).cpu()
+                tensors[f"{key}.lora_B.weight"] = b.to(getattr(torch, config.dtype)).cpu()
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets)}))
+        requests.append(LoRARequest(path.name, str(path)))
+    return requests
 
 
 def to_json(result: BenchResult) -> str:

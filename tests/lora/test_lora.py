@@ -172,27 +172,6 @@ def test_lora_plugin_reserves_the_slots_at_load(tiny_models, adapters):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == plain
 
 
-@pytest.mark.gpu
-def test_adapters_run_in_cuda_graphs_and_equal_the_cpu_path(tiny_models, adapters, monkeypatch):
-    """On a GPU, an engine with lora_plugin captures graphs with the batched LoRA kernels; decode steps mixing three
-    adapters and the base model replay them and give the CPU path's greedy tokens (float32)."""
-    from kiln.runtime.cuda_graphs import CudaGraphs
-
-    hf_dir, _ = tiny_models["llama"]
-    loras = [adapters["all"][0], None, adapters["kv_mlp"][0], adapters["attn_rslora_bin"][0]]
-    with _llm(hf_dir) as llm:
-        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)]
-    replays = []
-    run = CudaGraphs.run
-    monkeypatch.setattr(CudaGraphs, "run", lambda self, *a, **kw: replays.append(kw.get("lora_slots")) or
-                        run(self, *a, **kw))
-    build = BuildConfig(**BUILD, plugin_config=PluginConfig(lora_plugin="auto"))
-    with LLM(hf_dir, build_config=build, quiet=True, device="cuda") as llm:
-        assert llm.core.runner.graphs.lora_slots == LoraCacheConfig().max_loras
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == expected
-        assert sum(slots is not None and len(set(slots)) == 4 for slots in replays) >= GREEDY.max_new_tokens - 2
-
-
 # --- the pieces ---------------------------------------------------------------------------------------------------
 def test_prefix_keys_carry_the_adapter():
     from kiln.runtime.kv_cache import block_key
