@@ -10,7 +10,8 @@ import torch
 
 from . import reference
 from .fusion import DeferredNorm, NormSite, ResidualSum, SiluSite, fuse
-from .metadata import AttentionMetadata, LoraBatch
+from .lora import LoraImage, LoraStack, lora_image
+from .metadata import AttentionMetadata, LoraBatch, sort_by_slot
 from .reference_ops import ReferenceOps
 from .rotary import rope_cos_sin, rope_inv_freq
 from .triton.tuning import TritonOptions
@@ -104,5 +105,6 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
         return ReferenceOps()
 
 
-__all__ = ["AttentionMetadata", "DeferredNorm", "LoraBatch", "NormSite", "ReferenceOps", "ResidualSum", "SiluSite",
+__all__ = ["AttentionMetadata", "DeferredNorm", "LoraBatch", "LoraImage", "LoraStack", "NormSite", "ReferenceOps",
+           "ResidualSum", "SiluSite", "lora_image", "sort_by_slot",
            "TritonOps", "TritonOptions", "fuse", "reference", "rope_cos_sin", "rope_inv_freq", "select_ops"]

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels import AttentionMetadata, LoraBatch
-from kiln.kernels.metadata import sort_by_slot
+from kiln.kernels import AttentionMetadata, LoraBatch, sort_by_slot
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
            640, 768, 896, 1024)

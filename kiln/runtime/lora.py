@@ -23,8 +23,7 @@ import torch
 
 from kiln.checkpoint.lora import LoraAdapter, layer_geometry, load_adapter
 from kiln.config import LoraCacheConfig, LoraConfig, PretrainedConfig
-from kiln.kernels import LoraBatch
-from kiln.kernels.lora import LoraImage, LoraStack, lora_image
+from kiln.kernels import LoraBatch, LoraImage, LoraStack, lora_image
 
 from .request import LoRARequest, Request
 from .step import Step
