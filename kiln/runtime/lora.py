@@ -21,9 +21,9 @@ from collections import OrderedDict
 
 import torch
 
-from kiln.checkpoint.lora import LoraAdapter, layer_geometry, load_adapter
+from kiln.checkpoint.lora import layer_geometry, load_adapter
 from kiln.config import LoraCacheConfig, LoraConfig, PretrainedConfig
-from kiln.kernels import LoraBatch, LoraImage, LoraStack, lora_image
+from kiln.kernels import LoraBatch, LoraImage, LoraSlab, LoraStack
 
 from .request import LoRARequest, Request
 from .step import Step
@@ -39,8 +39,9 @@ class LoraManager:
         self.max_loras, self.host_capacity = cache.max_loras, cache.host_capacity
         self.known: dict[str, LoRARequest] = {}                       # name → the adapter it stands for
         self.ids: dict[int, str] = {}                                 # LoRARequest.id → name
-        self.host: OrderedDict[str, dict[str, LoraImage]] = OrderedDict()   # name → layer → image; LRU first
-        self.stacks: dict[str, LoraStack] = {}                        # layer name → its slots (allocated once)
+        self.host: OrderedDict[str, LoraImage] = OrderedDict()        # name → flat host image, LRU first
+        self.layout: LoraSlab | None = None                           # the slab's layout, on the meta device
+        self.slab: LoraSlab | None = None                             # every layer's slots (allocated once)
         self.slots: OrderedDict[str, int] = OrderedDict()             # name → device slot, least recently used first
         self.lock = threading.Lock()                                  # register runs on callers' threads
         self.reads = 0                                                # adapters read from disk (for tests, stats)
@@ -69,44 +70,45 @@ class LoraManager:
             if request.id is not None:
                 self.ids[request.id] = request.name
 
-    def _read(self, request: LoRARequest) -> dict[str, LoraImage]:
-        """The adapter's per-layer images from the host cache, or read from its directory and laid out (and the
-        least recently used adapter dropped)."""
-        images = self.host.get(request.name)
-        if images is None:
+    def _read(self, request: LoRARequest) -> LoraImage:
+        """The adapter's flat image (LoraSlab.image) from the host cache, or read from its directory and laid out
+        (and the least recently used adapter dropped); pinned where it goes to a GPU."""
+        image = self.host.get(request.name)
+        if image is None:
             adapter = load_adapter(request.path, self.config, self.max_rank, self.targets, request.name)
-            self.net.lora_layers(adapter.modules)              # the network can take it (refused before it runs)
-            images = self._images(adapter)
+            image = self._slab_layout().image(adapter.modules)
+            image = image.pin() if self.device.type == "cuda" else image
             self.reads += 1
-            self.host[request.name] = images
+            self.host[request.name] = image
             while len(self.host) > self.host_capacity:
                 self.host.popitem(last=False)
         self.host.move_to_end(request.name)
-        return images
-
-    def _images(self, adapter: LoraAdapter) -> dict[str, LoraImage]:
-        """Each targeted layer's slot image of `adapter`, on the host (pinned where it goes to a GPU)."""
-        images = {}
-        for name, parts in adapter.modules.items():
-            image = lora_image(parts, *layer_geometry(name, self.config), self.max_rank, self.dtype)
-            images[name] = image.pin() if self.device.type == "cuda" else image
-        return images
+        return image
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.config.dtype)
+    def stacks(self) -> dict[str, LoraStack]:
+        """Layer name → its adapter slots (empty until allocated)."""
+        return self.slab.stacks if self.slab is not None else {}
+
+    def _geometries(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every layer an adapter may target (refused by the network where its kernels fuse them) → (in_features,
+        projection bounds)."""
+        names = [f"layers.{i}.{module}" for i in self.net.layers.keys() for module in self._modules()]
+        return {name: layer_geometry(name, self.config) for name in self.net.lora_layers(names)}
+
+    def _slab_layout(self) -> LoraSlab:
+        if self.layout is None:
+            self.layout = LoraSlab(self._geometries(), 1, self.max_rank, getattr(torch, self.config.dtype), "meta")
+        return self.layout
 
     def _allocate(self) -> None:
-        """A LoraStack of max_loras slots on every layer an adapter may target, put on the layer."""
-        if self.stacks:
+        """The slab of max_loras slots of every layer an adapter may target; each layer gets its stack."""
+        if self.slab is not None:
             return
-        names = [f"layers.{i}.{module}" for i in self.net.layers.keys() for module in self._modules()]
+        layout = self._slab_layout()
         try:
-            for name, layer in self.net.lora_layers(names).items():
-                self.stacks[name] = LoraStack(*layer_geometry(name, self.config), self.max_loras, self.max_rank,
-                                              self.dtype, self.device)
+            self.slab = LoraSlab(layout.geometries, self.max_loras, self.max_rank, layout.dtype, self.device)
         except torch.OutOfMemoryError:
-            self.stacks.clear()
             raise RuntimeError(f"no device memory left for {self.max_loras} LoRA adapter slots of rank "
                                f"{self.max_rank}; build the engine with lora_plugin (or stored adapters) so the "
                                "slots are reserved at load, or lower max_loras / max_lora_rank") from None
@@ -156,14 +158,13 @@ class LoraManager:
         return self.slots.pop(victim)
 
     def install(self, slot: int, lora: LoRARequest) -> None:
-        """Copy the adapter's images into `slot` of every layer's stack (replacing the slot's adapter)."""
+        """Copy the adapter's image into `slot` of every layer (replacing the slot's adapter)."""
         self._allocate()
         with self.lock:
-            images = self._read(lora)
+            image = self._read(lora)
         for name in [n for n, s in self.slots.items() if s == slot]:
             del self.slots[name]
-        for name, stack in self.stacks.items():
-            stack.load(slot, images.get(name))
+        self.slab.load(slot, image)
         self.slots[lora.name] = slot
 
     def close(self) -> None:
@@ -175,7 +176,7 @@ class LoraManager:
             self.net = None
             self.host.clear()
             self.slots.clear()
-            self.stacks.clear()
+            self.slab = None
 
     # --- a step's tokens --------------------------------------------------------------------------------------
     def batch(self, step: Step) -> LoraBatch | None:

@@ -12,7 +12,7 @@ import torch
 
 from conftest import DEVICE, gpu_cases, interpreted, on_gpu, rel_err
 from kiln.kernels import LoraBatch, reference
-from kiln.kernels.lora import LoraStack, rank_width
+from kiln.kernels.lora import LoraSlab, LoraStack, rank_width
 from kiln.kernels.metadata import sort_by_slot
 
 
@@ -38,9 +38,14 @@ def adapters(in_features: int, bounds: tuple, slots: int, ranks: list[int], g: t
 
 
 def stacked(parts: dict, in_features: int, bounds: tuple, max_rank: int, dtype, device) -> LoraStack:
-    stack = LoraStack(in_features, bounds, len(parts), max_rank, dtype, device)
+    """The stack of a layer holding `parts` (slot → parts), a view of a LoraSlab beside another layer's (so its
+    slots are strided as the engine's are), filled through the slab's flat images."""
+    slab = LoraSlab({"before": (8, (0, 16)), "layer": (in_features, bounds), "after": (16, (0, 8, 24))}, len(parts),
+                    max_rank, dtype, device)
     for slot, ps in parts.items():
-        stack.load(slot, stack.image(ps) if ps else None)
+        slab.load(slot, slab.image({"layer": ps} if ps else {}))
+    stack = slab.stacks["layer"]
+    assert stack.a.stride(0) == slab.values.stride(0) != stack.a[0].numel()
     return stack
 
 
@@ -98,7 +103,9 @@ def test_reference_products_in_float64(tokens, bounds, slots, max_rank, ranks):
 def test_a_slot_cleared_adds_nothing():
     g = torch.Generator().manual_seed(1)
     parts = adapters(16, (0, 16), 2, [4], g)
-    stack = stacked(parts, 16, (0, 16), 4, torch.float32, "cpu")
+    stack = LoraStack(16, (0, 16), 2, 4, torch.float32, "cpu")
+    for slot, ps in parts.items():
+        stack.load(slot, stack.image(ps))
     stack.load(0, None)
     assert not stack.filled(0) and stack.filled(1) and not stack.a[0].any() and not stack.b[0].any()
     x, base = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
@@ -154,7 +161,8 @@ def test_a_cuda_graph_serves_other_groupings():
     g = torch.Generator().manual_seed(7)
     tokens, bounds, slots, cuda = 24, (0, 1024, 1280, 1536), 4, torch.device("cuda")
     parts = adapters(1024, bounds, slots, [16, 4], g)
-    stack = stacked({s: [] for s in range(slots)}, 1024, bounds, 16, torch.bfloat16, cuda)
+    slab = LoraSlab({"layer": (1024, bounds)}, slots, 16, torch.bfloat16, cuda)
+    stack = slab.stacks["layer"]
     x = torch.randn(tokens, 1024, generator=g).bfloat16()
     base = torch.randn(tokens, bounds[-1], generator=g).bfloat16()
     static_x, static_base = x.to(cuda), base.to(cuda)
@@ -167,7 +175,7 @@ def test_a_cuda_graph_serves_other_groupings():
     with torch.cuda.graph(graph):
         lora.lora(work, static_x, batch, stack)
     for slot, ps in parts.items():
-        stack.load(slot, stack.image(ps) if ps else None)
+        slab.load(slot, slab.image({"layer": ps}))
     for seed in range(3):
         slots_of = token_slots(tokens, slots, torch.Generator().manual_seed(seed))
         sorted_rows, run_starts = sort_by_slot(slots_of, slots)

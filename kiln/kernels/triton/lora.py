@@ -20,6 +20,7 @@ import triton.language as tl
 from .launch import launch_args, wait_for_inputs
 
 WAVE = 264          # programs the shrink aims for when the whole step is under one adapter (two per SM of an H200)
+MAX_SPLIT = 8       # K splits at most: the expand sums them per row block
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _slot_rows(rows_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, stride_x,
+def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, stride_x, stride_a,
                         PR: tl.constexpr, PR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -43,7 +44,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, s
     if any_rows:
         r = tl.arange(0, PR_PAD)
         kk = tl.arange(0, BLOCK_K)
-        a_slot = a_ptr + slot.to(tl.int64) * PR * K
+        a_slot = a_ptr + slot.to(tl.int64) * stride_a
         acc = tl.zeros((BLOCK_M, PR_PAD), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, SPLIT * BLOCK_K):
             k = k0 + kk
@@ -56,23 +57,24 @@ def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, s
 
 
 @triton.jit
-def _lora_expand_kernel(out_ptr, partial_ptr, b_ptr, scale_ptr, rows_ptr, starts_ptr, T, N, stride_out, BOUND1, BOUND2,
-                        R: tl.constexpr, PR_PAD: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _lora_expand_kernel(out_ptr, partial_ptr, b_ptr, scale_ptr, rows_ptr, starts_ptr, T, N, stride_out, stride_b,
+                        stride_scale, BOUND1, BOUND2,
+                        R: tl.constexpr, PR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_inputs(PDL)
     rows, in_slot, any_rows = _slot_rows(rows_ptr, starts_ptr, slot, pid_m, BLOCK_M)
     first = pid_n * BLOCK_N
     part = (first >= BOUND1).to(tl.int32) + (first >= BOUND2).to(tl.int32)   # a tile lies in one projection
-    scale = tl.load(scale_ptr + slot * PARTS + part)
+    scale = tl.load(scale_ptr + slot * stride_scale + part)
     if any_rows & (scale != 0.0):
         rr = tl.arange(0, R)
         shrunk = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for split in range(SPLIT):
+        for split in tl.static_range(SPLIT):                 # unrolled: the loads are issued together
             shrunk += tl.load(partial_ptr + (split * T + rows[:, None]) * PR_PAD + part * R + rr[None, :],
                               mask=in_slot[:, None], other=0.0)
         cols = first + tl.arange(0, BLOCK_N)
-        b = tl.load(b_ptr + slot.to(tl.int64) * N * R + cols[None, :] * R + rr[:, None], mask=cols[None, :] < N,
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_b + cols[None, :] * R + rr[:, None], mask=cols[None, :] < N,
                     other=0.0)                                                   # (R, BLOCK_N): B_pᵀ's tile
         delta = tl.dot(shrunk.to(b.dtype), b, input_precision=PRECISION) * scale
         at = out_ptr + rows[:, None] * stride_out + cols[None, :]
@@ -108,16 +110,17 @@ def lora(out: torch.Tensor, x: torch.Tensor, batch, stack, launch: dict | None =
     block_m = 16 if tokens <= 64 or pr_pad > 128 else 64
     block_k = 128 if pr_pad <= 64 else 64
     row_blocks = triton.cdiv(tokens, block_m)
-    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(WAVE, row_blocks)))
+    split = max(1, min(MAX_SPLIT, triton.cdiv(k, block_k), triton.cdiv(WAVE, row_blocks)))
     partial = torch.empty((split, tokens, pr_pad), dtype=torch.float32, device=x.device)
     _lora_shrink_kernel[(row_blocks, split, slots)](
-        x, stack.a, batch.rows, batch.starts, partial, tokens, k, x.stride(0), PR=pr, PR_PAD=pr_pad,
+        x, stack.a, batch.rows, batch.starts, partial, tokens, k, x.stride(0), stack.a.stride(0), PR=pr, PR_PAD=pr_pad,
         BLOCK_M=block_m, BLOCK_K=block_k, SPLIT=split, PRECISION=precision, num_warps=4, **launch)
     bounds, n = stack.bounds, out.shape[1]
     tile = column_tile(bounds)
     inner = list(bounds[1:-1]) + [n] * (3 - len(bounds[1:-1]))
     _lora_expand_kernel[(row_blocks, triton.cdiv(n, tile), slots)](
-        out, partial, stack.b, stack.scale, batch.rows, batch.starts, tokens, n, out.stride(0), inner[0], inner[1],
-        R=r, PR_PAD=pr_pad, PARTS=stack.parts, BLOCK_M=block_m, BLOCK_N=tile, SPLIT=split, PRECISION=precision,
+        out, partial, stack.b, stack.scale, batch.rows, batch.starts, tokens, n, out.stride(0), stack.b.stride(0),
+        stack.scale.stride(0), inner[0], inner[1],
+        R=r, PR_PAD=pr_pad, BLOCK_M=block_m, BLOCK_N=tile, SPLIT=split, PRECISION=precision,
         num_warps=4, **launch)
     return out
