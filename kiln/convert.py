@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from kiln.checkpoint import save_checkpoint
-from kiln.checkpoint.lazy import with_progress
+from kiln.checkpoint.lazy import LazyWeights, with_progress
+from kiln.checkpoint.lora import layer_geometry, load_adapter
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
 from kiln.models import LlamaForCausalLM, PretrainedModel
 from kiln.quantization import quantize_model, quantized_weights
@@ -45,6 +46,8 @@ def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None
                              "quant_config and calib_size, not both")
         quant_config, calib_size = convert_config.quant_config(), convert_config.calib_size
     model = _load(model_dir, dtype, convert_config, seed, quiet, lazy=False)
+    if convert_config is not None and convert_config.merge_lora:
+        model = merge_lora(model, convert_config.merge_lora)
     return quantize(model, quant_config, 16 if calib_size is None else calib_size, quiet,
                     _round_to_nearest(convert_config))
 
@@ -105,12 +108,50 @@ def convert_checkpoint(model_dir, output_dir: str | Path, dtype: str = "auto",
         return path
     calibrated = " and calibrate" if convert_config.quant_config().needs_calibration else ""
     with log.step(f"Index the model's weights{calibrated}"):
-        model = _quantized_lazily(_load(model_dir, dtype, convert_config, seed, quiet, lazy=True), convert_config, quiet)
+        model = _load(model_dir, dtype, convert_config, seed, quiet, lazy=True)
+        if convert_config.merge_lora:
+            model = merge_lora(model, convert_config.merge_lora)
+        model = _quantized_lazily(model, convert_config, quiet)
     with log.step(f"Convert and write {mapping.world_size} rank file(s), a layer at a time"):
         model = type(model)(model.config, with_progress(model.weights, "Writing", quiet), model.tokenizer_files)
         path = model.save_checkpoint(output_dir, config_only, mapping, workers, overwrite)
     log.done()
     return path
+
+
+def merge_lora(model: PretrainedModel, adapter_dir) -> PretrainedModel:
+    """The model with the Hugging Face PEFT adapter at adapter_dir merged into its weights: each target's rows of
+    its engine layer become W + scale·B·A (in float32, then the weight's dtype), as each weight is made. The
+    adapter is checked against the model first (kiln.checkpoint.lora: shapes, targets, PEFT features)."""
+    config = dataclasses.replace(model.config, mapping=Mapping())
+    adapter = load_adapter(adapter_dir, config, max_rank=1 << 20)
+    deltas = {}                                 # checkpoint weight (unfused: q_proj, ...) → its (A, B, scale)
+    for layer, parts in adapter.modules.items():
+        base, _, fused = layer.rpartition(".")
+        targets = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(fused,
+                                                                                                             (fused,))
+        bounds = layer_geometry(layer, config)[1]
+        for part in parts:
+            deltas[f"{base}.{targets[bounds.index(part.offset)]}.weight"] = part
+    missing = sorted(set(deltas) - set(model.weights))
+    if missing:
+        raise ValueError(f"merge_lora {adapter_dir}: the model has no float weight {missing[0]} to merge into")
+
+    def merged(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in deltas:
+            return tensor
+        part = deltas[name]
+        out = tensor.float() + part.scale * (part.b.to(tensor.device).float() @ part.a.to(tensor.device).float())
+        return out.to(tensor.dtype)
+
+    weights = model.weights
+    if isinstance(weights, LazyWeights):
+        weights = LazyWeights(weights.specs, weights.unit_names(),
+                              lambda names: {n: merged(n, t) for n, t in model.weights.iter_take(names)},
+                              weights.source, weights.device)
+    else:
+        weights = {name: merged(name, tensor) for name, tensor in weights.items()}
+    return type(model)(model.config, weights, model.tokenizer_files, source=f"the model merged with {adapter_dir}")
 
 
 def _quantized_lazily(model: PretrainedModel, convert_config: ConvertConfig, quiet: bool) -> PretrainedModel:

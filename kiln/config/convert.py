@@ -109,6 +109,9 @@ class ConvertConfig:
     use_embedding_sharing: bool = False
     """Share one table between the embedding and the LM head: Kiln does so for models with tied embeddings
     (set for any other model it is an error)."""
+    merge_lora: str | None = None
+    """A Hugging Face PEFT adapter directory merged into the weights (W + scale·B·A on each target projection, in
+    float32) before quantizing: the checkpoint is the fine-tuned model, served without LoRA products."""
     workers: int = 1
     """Ranks sharded and written in parallel (threads)."""
     save_config_only: bool = False
@@ -129,6 +132,9 @@ class ConvertConfig:
         if self.round_to_nearest and self.learned_rounding_steps:
             raise ValueError("ConvertConfig: round_to_nearest skips the calibrated searches, learned rounding among "
                              "them: drop learned_rounding_steps")
+        if self.load_by_shard and self.merge_lora:
+            raise ValueError("ConvertConfig: load_by_shard cannot merge_lora (the adapter is merged into the whole "
+                             "model's weights)")
         if self.load_by_shard and self.quant_config().enabled:
             raise ValueError("ConvertConfig: load_by_shard cannot quantize (calibration needs the whole model)")
         self.quant_config()                       # validates the combination

@@ -97,7 +97,8 @@ class CudaGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]], long: bool = False, fill=None, lora_slots: list[int] | None = None) -> torch.Tensor:
+            tables: list[list[int]], long: bool = False, fill=None,
+            lora_slots: list[int] | None = None) -> torch.Tensor:
         """Logits (n, vocab), in the model's dtype, of n one-token sequences (`long`: some sequence is past
         LONG_CONTEXT keys); `fill` = (rows, device tokens): input ids that are only on the device yet; lora_slots:
         each sequence's adapter slot (-1: none), or None."""

@@ -172,6 +172,28 @@ def test_lora_plugin_reserves_the_slots_at_load(tiny_models, adapters):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)] == plain
 
 
+def test_merge_lora_bakes_an_adapter_into_the_checkpoint(tiny_models, adapters, tmp_path):
+    """kiln convert --merge_lora (streaming) and convert(merge_lora=) give the tokens of transformers + peft with no
+    adapter at run time; an adapter of another model is refused, naming the tensor."""
+    from kiln.cli.main import main
+    from kiln.config import ConvertConfig
+    from kiln.convert import convert
+
+    hf_dir, _ = tiny_models["llama"]
+    lora, peft_model = adapters["all"]
+    expected = hf_greedy(peft_model, PROMPTS[0], GREEDY.max_new_tokens)
+    assert main(["convert", "--model_dir", str(hf_dir), "--output_dir", str(tmp_path / "ckpt"),
+                 "--merge_lora", lora.path]) == 0
+    with _llm(str(tmp_path / "ckpt")) as llm:
+        assert llm.generate(PROMPTS[0], GREEDY).token_ids == expected
+    model = convert(hf_dir, convert_config=ConvertConfig(merge_lora=lora.path), quiet=True)
+    with LLM(model, build_config=BuildConfig(**BUILD), quiet=True, device="cpu") as llm:
+        assert llm.generate(PROMPTS[0], GREEDY).token_ids == expected
+    other, _ = tiny_models["qwen2"]
+    with pytest.raises(ValueError, match="has shape"):
+        convert(other, convert_config=ConvertConfig(merge_lora=lora.path), quiet=True)
+
+
 # --- the pieces ---------------------------------------------------------------------------------------------------
 def test_prefix_keys_carry_the_adapter():
     from kiln.runtime.kv_cache import block_key

@@ -27,7 +27,8 @@ def write_adapter(path, targets: list[str], rank: int, seed: int) -> LoRARequest
     for layer in range(2):
         for target in targets:
             out, inp = SHAPES[target]
-            key = f"base_model.model.model.layers.{layer}.{'mlp' if target.endswith(('up_proj', 'gate_proj', 'down_proj')) else 'self_attn'}.{target}"
+            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.2
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
     path.mkdir()

@@ -3,7 +3,8 @@
 A step's tokens are grouped by adapter slot (LoraBatch.rows: packed rows sorted by slot; LoraBatch.starts: where
 each slot's run begins). Two kernels add a layer's products to its output, every slot in one launch:
   shrink  (row block, K split, slot) → partial[split, row] = x[row, K part]·A[slot]ᵀ        (float32, P·R columns)
-  expand  (row block, column tile, slot) → out[row, tile] += scale[slot, p]·(Σ partial[:, row, p·R:(p+1)·R])·B_pᵀ
+  expand  (row block, column tile, slot) → out[row, tile] += scale[slot, p]·(Σ partial[:, row, p·R:(p+1)·R])
+                                                            ·B_pᵀ
 where p is the projection (q, k, v, gate, up) the column tile belongs to. A program whose slot has no tokens in its
 row block returns at once, so the grids can be sized for the worst case (every token under one adapter) and both
 kernels are captured in CUDA graphs with the step's grouping read from device memory. Splitting K keeps a decode
