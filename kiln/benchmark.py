@@ -314,7 +314,7 @@ def random_adapters(config: PretrainedConfig, root, count: int, rank: int,
 
     from safetensors.torch import save_file
 
-    from kiln.checkpoint.lora import base_shape
+    from kiln.checkpoint.lora import HF_BLOCK, base_shape
     from kiln.runtime.request import LoRARequest
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -327,8 +327,7 @@ def random_adapters(config: PretrainedConfig, root, count: int, rank: int,
         for layer in range(config.num_hidden_layers):
             for target in targets:
                 out, inp = base_shape(target, config)
-                block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                key = f"base_model.model.model.layers.{layer}.{HF_BLOCK[target]}.{target}"
                 a = torch.randn((rank, inp), generator=generator, device=device) / inp ** 0.5
                 b = torch.randn((out, rank), generator=generator, device=device) * 0.01
                 tensors[f"{key}.lora_A.weight"] = a.to(getattr(torch, config.dtype)).cpu()

@@ -16,7 +16,7 @@ import torch
 
 from kiln.checkpoint import save_checkpoint
 from kiln.checkpoint.lazy import LazyWeights, with_progress
-from kiln.checkpoint.lora import layer_geometry, load_adapter
+from kiln.checkpoint.lora import load_adapter
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
 from kiln.models import LlamaForCausalLM, PretrainedModel
 from kiln.quantization import quantize_model, quantized_weights
@@ -125,14 +125,7 @@ def merge_lora(model: PretrainedModel, adapter_dir) -> PretrainedModel:
     adapter is checked against the model first (kiln.checkpoint.lora: shapes, targets, PEFT features)."""
     config = dataclasses.replace(model.config, mapping=Mapping())
     adapter = load_adapter(adapter_dir, config, max_rank=1 << 20)
-    deltas = {}                                 # checkpoint weight (unfused: q_proj, ...) → its (A, B, scale)
-    for layer, parts in adapter.modules.items():
-        base, _, fused = layer.rpartition(".")
-        targets = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(fused,
-                                                                                                             (fused,))
-        bounds = layer_geometry(layer, config)[1]
-        for part in parts:
-            deltas[f"{base}.{targets[bounds.index(part.offset)]}.weight"] = part
+    deltas = {f"{part.layer}.weight": part for parts in adapter.modules.values() for part in parts}
     missing = sorted(set(deltas) - set(model.weights))
     if missing:
         raise ValueError(f"merge_lora {adapter_dir}: the model has no float weight {missing[0]} to merge into")

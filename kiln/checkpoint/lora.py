@@ -30,11 +30,12 @@ from .sharding import local_dims, shard_lora
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
-_ENGINE_MODULE = {"q_proj": "attn.qkv_proj", "k_proj": "attn.qkv_proj", "v_proj": "attn.qkv_proj",
+# target projection → the engine layer it is part of, and its block in Hugging Face names
+ENGINE_MODULE = {"q_proj": "attn.qkv_proj", "k_proj": "attn.qkv_proj", "v_proj": "attn.qkv_proj",
                   "o_proj": "attn.o_proj", "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
                   "down_proj": "mlp.down_proj"}
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+HF_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # adapter_config.json keys that describe training or where the adapter came from: no effect on the product
 _TRAINING_KEYS = {"base_model_name_or_path", "revision", "task_type", "inference_mode", "auto_mapping", "peft_version",
                   "lora_dropout", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
@@ -56,6 +57,7 @@ class LoraPart:
     a: torch.Tensor        # (r, in): this rank's share
     b: torch.Tensor        # (rows, r)
     scale: float
+    layer: str             # the checkpoint layer it adapts (layers.3.attn.q_proj)
 
 
 @dataclass
@@ -65,12 +67,6 @@ class LoraAdapter:
     name: str
     rank: int
     modules: dict[str, list[LoraPart]]
-
-    def to(self, device: torch.device | str) -> "LoraAdapter":
-        """The same adapter with its tensors on `device` (no copy where they are there already)."""
-        moved = {name: [LoraPart(p.offset, p.a.to(device), p.b.to(device), p.scale) for p in parts]
-                 for name, parts in self.modules.items()}
-        return LoraAdapter(self.name, self.rank, moved)
 
 
 def load_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
@@ -87,13 +83,14 @@ def load_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
     for (layer, target), (a, b) in sorted(pairs.items()):
         rank = a.shape[0]
         scale = peft["lora_alpha"] / (math.sqrt(rank) if peft.get("use_rslora") else rank)
-        block = "attn" if _BLOCK[target] == "self_attn" else "mlp"
-        shard = shard_lora(config, f"layers.{layer}.{block}.{target}", a, b)
+        block = "attn" if HF_BLOCK[target] == "self_attn" else "mlp"
+        checkpoint_layer = f"layers.{layer}.{block}.{target}"
+        shard = shard_lora(config, checkpoint_layer, a, b)
         if shard is None:                           # a layer of another pipeline stage
             continue
         a, b = (t.to(dtype) for t in shard)
-        modules.setdefault(f"layers.{layer}.{_ENGINE_MODULE[target]}", []).append(
-            LoraPart(_row_offset(target, dims, config.head_dim), a, b, scale))
+        modules.setdefault(f"layers.{layer}.{ENGINE_MODULE[target]}", []).append(
+            LoraPart(_row_offset(target, dims, config.head_dim), a, b, scale, checkpoint_layer))
     return LoraAdapter(name or path.name, max((a.shape[0] for a, _ in pairs.values()), default=0), modules)
 
 
@@ -166,7 +163,7 @@ def _read_pairs(file: Path, where: str) -> dict[tuple[int, str], tuple[torch.Ten
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in iter_file_tensors(file):
         match = _KEY.match(key)
-        if match is None or match.group(3) not in LORA_TARGET_MODULES or match.group(2) != _BLOCK[match.group(3)]:
+        if match is None or match.group(3) not in LORA_TARGET_MODULES or match.group(2) != HF_BLOCK[match.group(3)]:
             raise ValueError(f"{where}: tensor {key!r} {_unknown_target(key)}")
         if tensor.dim() != 2:
             raise ValueError(f"{where}: tensor {key!r} has shape {tuple(tensor.shape)}; a LoRA matrix has two "
@@ -204,10 +201,10 @@ def check_pairs(pairs: dict, peft: dict, config: PretrainedConfig, max_rank: int
                 where: str) -> None:
     """Every pair fits the base model's layer and the engine's limits; a ValueError names the tensor otherwise."""
     for (layer, target), (a, b) in sorted(pairs.items()):
-        key = f"layers.{layer}.{_BLOCK[target]}.{target}"
+        key = f"layers.{layer}.{HF_BLOCK[target]}.{target}"
         if layer >= config.num_hidden_layers:
             raise ValueError(f"{where}: {key} is past the base model's {config.num_hidden_layers} layers")
-        if config.is_moe and _BLOCK[target] == "mlp":
+        if config.is_moe and HF_BLOCK[target] == "mlp":
             raise ValueError(f"{where}: {key}: the base model's MLP is a mixture of experts; Kiln serves LoRA on "
                              "its attention projections only")
         if target not in target_modules:

@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 from .fusion import DeferredNorm, NormSite, ResidualSum, SiluSite, fuse
-from .lora import LoraImage, LoraSlab, LoraStack, lora_image
+from .lora import LoraImage, LoraSlab, LoraStack
 from .metadata import AttentionMetadata, LoraBatch, sort_by_slot
 from .reference_ops import ReferenceOps
 from .rotary import rope_cos_sin, rope_inv_freq
@@ -106,5 +106,5 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
 
 
 __all__ = ["AttentionMetadata", "DeferredNorm", "LoraBatch", "LoraImage", "LoraSlab", "LoraStack",
-           "NormSite", "ReferenceOps", "ResidualSum", "SiluSite", "lora_image", "sort_by_slot", "TritonOps",
+           "NormSite", "ReferenceOps", "ResidualSum", "SiluSite", "sort_by_slot", "TritonOps",
            "TritonOptions", "fuse", "reference", "rope_cos_sin", "rope_inv_freq", "select_ops"]

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from kiln.checkpoint.lora import layer_geometry, load_adapter
+from kiln.checkpoint.lora import ENGINE_MODULE, layer_geometry, load_adapter
 from kiln.config import LoraCacheConfig, LoraConfig, PretrainedConfig
 from kiln.kernels import LoraBatch, LoraImage, LoraSlab, LoraStack
 
@@ -117,10 +117,8 @@ class LoraManager:
 
     def _modules(self) -> list[str]:
         """The engine modules (attn.qkv_proj, ...) the engine's target projections live in."""
-        modules = {"q_proj": "attn.qkv_proj", "k_proj": "attn.qkv_proj", "v_proj": "attn.qkv_proj",
-                   "o_proj": "attn.o_proj", "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
-                   "down_proj": "mlp.down_proj"}
-        wanted = [modules[t] for t in self.targets if not (self.config.is_moe and modules[t].startswith("mlp"))]
+        wanted = [ENGINE_MODULE[t] for t in self.targets
+                  if not (self.config.is_moe and ENGINE_MODULE[t].startswith("mlp"))]
         return list(dict.fromkeys(wanted))
 
     # --- device slots (engine thread) ------------------------------------------------------------------------

@@ -103,17 +103,20 @@ def test_reference_products_in_float64(tokens, bounds, slots, max_rank, ranks):
 def test_a_slot_cleared_adds_nothing():
     g = torch.Generator().manual_seed(1)
     parts = adapters(16, (0, 16), 2, [4], g)
-    stack = LoraStack(16, (0, 16), 2, 4, torch.float32, "cpu")
+    slab = LoraSlab({"layer": (16, (0, 16))}, 2, 4, torch.float32, "cpu")
     for slot, ps in parts.items():
-        stack.load(slot, stack.image(ps))
-    stack.load(0, None)
+        slab.load(slot, slab.image({"layer": ps}))
+    slab.load(0, slab.image({}))                         # an adapter with no part on the layer
+    stack = slab.stacks["layer"]
     assert not stack.filled(0) and stack.filled(1) and not stack.a[0].any() and not stack.b[0].any()
     x, base = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
     assert torch.equal(reference.lora(base.clone(), x, LoraBatch.of([0, 0, -1], 2, torch.device("cpu")), stack), base)
     with pytest.raises(ValueError, match="starts no projection"):
-        stack.image([Part(3, torch.ones(2, 16), torch.ones(13, 2), 1.0)])
+        slab.image({"layer": [Part(3, torch.ones(2, 16), torch.ones(13, 2), 1.0)]})
     with pytest.raises(ValueError, match="does not fit"):
-        stack.image([Part(0, torch.ones(17, 16), torch.ones(16, 17), 1.0)])
+        slab.image({"layer": [Part(0, torch.ones(17, 16), torch.ones(16, 17), 1.0)]})
+    with pytest.raises(ValueError, match="has no adapter slots"):
+        slab.image({"other": []})
 
 
 # backend, tokens, in_features, bounds (projections' first rows and the end), slots, max_rank, ranks, dtype

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kiln import LLM, BuildConfig, LoraCacheConfig, LoRARequest, SamplingConfig
+from kiln.checkpoint.lora import HF_BLOCK
 from kiln.config import PluginConfig
 
 BUILD = dict(max_batch_size=4, max_input_len=64, max_seq_len=96)
@@ -27,8 +28,7 @@ def write_adapter(path, targets: list[str], rank: int, seed: int) -> LoRARequest
     for layer in range(2):
         for target in targets:
             out, inp = SHAPES[target]
-            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            key = f"base_model.model.model.layers.{layer}.{HF_BLOCK[target]}.{target}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.2
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
     path.mkdir()
