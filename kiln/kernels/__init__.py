@@ -76,7 +76,7 @@ class TritonOps(ReferenceOps):
         return self._lora.takes(stack)
 
     def lora(self, out, x, batch: LoraBatch, stack):
-        if batch.rows is not None and self._lora.takes(stack):
+        if self._lora.takes(stack):
             return self._lora.lora(out, x, batch, stack, self.launch)
         return reference.lora(out, x, batch, stack)
 

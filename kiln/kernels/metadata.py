@@ -1,6 +1,7 @@
 """The attention metadata of one step: how packed tokens map onto sequences and KV-cache slots."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -8,35 +9,42 @@ import torch
 
 @dataclass
 class LoraBatch:
-    """Which packed tokens of a step run under which LoRA adapter. Tokens under no adapter run on the base model
-    alone. Two views of the same grouping: `groups` for the torch products, one (slot, rows) per adapter slot in
-    use, rows a slice of the packed tokens where they are contiguous, else an index tensor on the device; `rows` and
-    `starts` for the GPU kernels (kiln/kernels/triton/lora.py): the packed rows sorted by slot, and where each
-    slot's run begins in them (slot s: rows[starts[s]:starts[s + 1]]; starts has a slot count + 1 entries). A CUDA
-    graph's batch has only the device view (groups None)."""
+    """Which packed tokens of a step run under which LoRA adapter; tokens under no adapter run on the base model
+    alone. The GPU kernels (kiln/kernels/triton/lora.py) read `rows`, the packed rows sorted by slot, and `starts`,
+    where each slot's run begins in them (slot s: rows[starts[s]:starts[s + 1]]; a slot count + 1 entries), on the
+    device. `host` keeps the same two lists on the host for `groups`, which the torch products read; a CUDA graph's
+    batch has the device view only (host None)."""
 
-    groups: list[tuple[int, slice | torch.Tensor]] | None
-    rows: torch.Tensor | None = None
-    starts: torch.Tensor | None = None
+    rows: torch.Tensor
+    starts: torch.Tensor
+    host: tuple[list[int], list[int]] | None = None
 
     @staticmethod
     def of(token_slots: list[int], slots: int, device: torch.device) -> "LoraBatch | None":
         """The batch of a step whose packed token i runs under adapter slot token_slots[i] (-1: the base model), on
         `device`; None when no token has an adapter."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(row)
-        if not by_slot:
+        rows, starts = sort_by_slot(token_slots, slots)
+        if not rows:
             return None
+        packed = torch.tensor(rows + starts, dtype=torch.int64).to(device, non_blocking=True)
+        return LoraBatch(packed[:len(rows)], packed[len(rows):], (rows, starts))
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """One (slot, rows) per adapter slot in use: rows a slice of the packed tokens where they are contiguous,
+        else an index tensor on the device."""
+        if self.host is None:
+            raise ValueError("a CUDA graph's LoRA batch has no host view for the torch products")
+        rows, starts = self.host
         groups = []
-        for slot, rows in by_slot.items():
-            contiguous = rows[-1] - rows[0] + 1 == len(rows)
-            groups.append((slot, slice(rows[0], rows[-1] + 1) if contiguous else
-                           torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)))
-        sorted_rows, starts = sort_by_slot(token_slots, slots)
-        packed = torch.tensor(sorted_rows + starts, dtype=torch.int64).to(device, non_blocking=True)
-        return LoraBatch(groups, packed[:len(sorted_rows)], packed[len(sorted_rows):])
+        for slot, (begin, end) in enumerate(zip(starts, starts[1:])):
+            run = rows[begin:end]
+            if not run:
+                continue
+            contiguous = run[-1] - run[0] + 1 == len(run)
+            groups.append((slot, slice(run[0], run[-1] + 1) if contiguous else
+                           torch.tensor(run, dtype=torch.int64).to(self.rows.device, non_blocking=True)))
+        return groups
 
 
 def sort_by_slot(token_slots: list[int], slots: int) -> tuple[list[int], list[int]]:

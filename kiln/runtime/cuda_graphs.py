@@ -77,7 +77,7 @@ class CudaGraphs:
         return AttentionMetadata(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
                                  self.block_tables[:size], max_query_len=1, max_seq_len=self.width * self.tokens_per_block,
                                  tokens_per_block=self.tokens_per_block, num_parts=parts[0], part_tokens=parts[1],
-                                 lora=LoraBatch(None, self.lora_rows[:size], self.lora_starts) if lora else None)
+                                 lora=LoraBatch(self.lora_rows[:size], self.lora_starts) if lora else None)
 
     def _forward(self, size: int, parts, lora: bool) -> torch.Tensor:
         hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size, parts, lora), self.kv_caches)

@@ -171,7 +171,7 @@ def test_a_cuda_graph_serves_other_groupings():
     static_x, static_base = x.to(cuda), base.to(cuda)
     rows = torch.zeros(tokens, dtype=torch.int64, device=cuda)
     starts = torch.zeros(slots + 1, dtype=torch.int64, device=cuda)
-    batch = LoraBatch(None, rows, starts)
+    batch = LoraBatch(rows, starts)
     work = static_base.clone()
     lora.lora(work, static_x, batch, stack)                      # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
