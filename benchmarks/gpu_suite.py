@@ -135,12 +135,14 @@ def latency(args):
                                                                  seed=5), 16)
 
 
-def _profile_steps(llm, name: str, prompts: list[list[int]], new_tokens: int) -> None:
-    """A torch profiler table (CUDA time per kernel) of `prompts` generated together, written to $OUT."""
+def _profile_steps(llm, name: str, prompts: list[list[int]], new_tokens: int, loras: list | None = None) -> None:
+    """A torch profiler table (CUDA time per kernel) of `prompts` generated together (prompt i under the LoRA
+    adapter loras[i % len(loras)] where given), written to $OUT."""
     from torch.profiler import ProfilerActivity, profile
 
+    lora_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, end_id=-1))
+        llm.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, end_id=-1), lora_request=lora_request)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     with open(os.path.join(OUT, f"profile_{name}.txt"), "w") as f:
         f.write(table)
@@ -220,13 +222,7 @@ def lora(args):
             log(f"lora_throughput_128_128_{key}_out_tok_s", round(rates[key], 1))
         log("lora_throughput_pct_of_base", round(100 * rates["adapters"] / rates["base"], 1))
         if args.profile:
-            with_loras = bench.random_prompts(args.max_batch, 128, vocab, seed=5)
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                bench.run_requests(llm, with_loras, 8, loras=adapters[:8])
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            with open(os.path.join(OUT, "profile_lora.txt"), "w") as f:
-                f.write(table)
+            _profile_steps(llm, "lora", bench.random_prompts(args.max_batch, 128, vocab, seed=5), 8, adapters[:8])
     workdir.cleanup()
 
 
