@@ -7,9 +7,9 @@
     Step.lora_slots (adapter slot per sequence) ──batch──▶ LoraBatch: the packed tokens of each slot
 
 Each linear layer an adapter may target holds a LoraStack (kiln/kernels/lora.py): the A, B and scales of every
-slot, at fixed addresses. An engine that reserves them (`reserve`: it was built with lora_plugin or stored
-adapters) allocates the stacks at load, before its KV cache and CUDA graphs, which then run adapters too; any other
-engine allocates them when its first adapter is installed, and runs adapter steps without graphs.
+slot, at fixed addresses, a view of one LoraSlab. An engine that reserves the slab (`reserve`: it was built with
+lora_plugin or stored adapters) allocates it at load, before its KV cache and CUDA graphs, which then run adapters
+too; any other engine allocates it when its first adapter is installed, and runs adapter steps without graphs.
 
 Rank 0 decides the slots and sends what it installed this step in the Step (`lora_loads`); other ranks install the
 same adapters (read from the same directories, cut for their rank) into the same slots.

@@ -266,8 +266,8 @@ class ModelRunner:
     def run_step(self, step: Step, fill=None) -> torch.Tensor | None:
         """One forward pass of this rank's stage; on rank 0, the logits of step.logit_rows (float32, or the model's
         dtype from a CUDA graph). Steps where every sequence computes its one next token replay a CUDA graph when
-        there is one (with LoRA adapters: when the graphs were captured with them). `fill`: (packed rows, device tokens) to put into the
-        input ids on the device (tokens not on the host yet)."""
+        there is one (with LoRA adapters: when the graphs were captured with them). `fill`: (packed rows, device
+        tokens) to put into the input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
                 and self.graphs.fits(n) and (step.lora_slots is None or self.graphs.lora_slots)):
