@@ -195,6 +195,8 @@ def lora(args):
         log("lora_bs1_base_tok_s", round(1e3 / base.tpot_ms["p50"], 1))
         log("lora_bs1_adapter_tok_s", round(1e3 / with_adapter.tpot_ms["p50"], 1))
         log("lora_bs1_pct_of_base", round(100 * base.tpot_ms["p50"] / with_adapter.tpot_ms["p50"], 1))
+        if args.profile:
+            _profile_steps(llm, "lora_bs1", bench.random_prompts(1, 128, config.vocab_size, seed=5), 16, adapters[:1])
         manager = llm.core.runner.lora
         for adapter in adapters:
             manager.register(adapter)                       # read and laid out in host memory, as a request does
