@@ -146,6 +146,7 @@ def _profile_steps(llm, name: str, prompts: list[list[int]], new_tokens: int, lo
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     with open(os.path.join(OUT, f"profile_{name}.txt"), "w") as f:
         f.write(table)
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(table[:3000])
 
 
@@ -179,6 +180,19 @@ def throughput(args):
                     args.max_batch)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _count_replays(llm) -> list[int]:
+    """A counter (its one item) of the CUDA-graph replays of llm's runner, from now on (zero it to restart)."""
+    graphs, count = llm.core.runner.graphs, [0]
+    replay = graphs.run
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return replay(*args, **kwargs)
+
+    graphs.run = counted
+    return count
 
 
 @phase
@@ -216,15 +230,23 @@ def lora(args):
         vocab = config.vocab_size
         bench.warm_up(llm, 128, 128, vocab, args.max_batch, args.requests)
         bench.run_requests(llm, bench.random_prompts(64, 128, vocab, seed=2), 8, loras=adapters[:8])   # warm
-        rates = {}
+        rates, replays = {}, _count_replays(llm)
         for key, loras in (("base", None), ("adapters", adapters[:8])):
             torch.cuda.synchronize()
+            before, replays[0] = llm.stats(), 0
             outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, vocab), 128, loras=loras)
             rates[key] = bench.summarize("throughput", args.model, "bfloat16", outputs, elapsed, 128, 128).output_tok_s
             log(f"lora_throughput_128_128_{key}_out_tok_s", round(rates[key], 1))
+            after = llm.stats()
+            log(f"lora_throughput_{key}_steps", after["steps"] - before["steps"])
+            log(f"lora_throughput_{key}_graph_steps", replays[0])
+            log(f"lora_throughput_{key}_overlapped_steps", after["overlapped_steps"] - before["overlapped_steps"])
         log("lora_throughput_pct_of_base", round(100 * rates["adapters"] / rates["base"], 1))
         if args.profile:
             _profile_steps(llm, "lora", bench.random_prompts(args.max_batch, 128, vocab, seed=5), 8, adapters[:8])
+            prompts = bench.random_prompts(args.max_batch // 2, 128, vocab, seed=6)
+            _profile_steps(llm, "lora_decode_base", prompts, 48)
+            _profile_steps(llm, "lora_decode_adapters", prompts, 48, adapters[:8])
     workdir.cleanup()
 
 

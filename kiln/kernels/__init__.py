@@ -31,7 +31,7 @@ class TritonOps(ReferenceOps):
         self.options = options
         self.launch = launch.launch_options(options.pdl)
         self._decode, self._attention, self._rope, self._moe = decode_attention, paged_attention, rope_cache, fused_moe
-        self._lora = lora
+        self._lora, self._side_streams = lora, {}
         self.products = quant_linear.QuantProducts(options)
         with_launch = lambda fn: functools.partial(fn, launch=self.launch)  # noqa: E731
         self.rms_norm, self.add_rms_norm = with_launch(norms.rms_norm), with_launch(norms.add_rms_norm)
@@ -75,10 +75,24 @@ class TritonOps(ReferenceOps):
     def lora_in_graphs(self, stack) -> bool:
         return self._lora.takes(stack)
 
-    def lora(self, out, x, batch: LoraBatch, stack):
-        if self._lora.takes(stack):
-            return self._lora.lora(out, x, batch, stack, self.launch)
-        return reference.lora(out, x, batch, stack)
+    def lora_begin(self, x, batch: LoraBatch, stack):
+        """The shrink, on a side stream that joins in lora_finish: it needs only x, so it runs beside the base
+        product (in CUDA graphs too)."""
+        if not self._lora.takes(stack):
+            return x
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_streams.get(x.device)
+        if side is None:
+            side = self._side_streams[x.device] = torch.cuda.Stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            return self._lora.shrink(x, batch, stack, self.launch)
+
+    def lora_finish(self, out, begun, batch: LoraBatch, stack):
+        if not isinstance(begun, self._lora.Shrunk):
+            return reference.lora(out, begun, batch, stack)
+        torch.cuda.current_stream(out.device).wait_stream(self._side_streams[out.device])
+        return self._lora.expand(out, begun, batch, stack, self.launch)
 
     def moe(self, x, router, gate_up, down, top_k, renormalize, first_expert=0, algo=None):
         return self._moe.fused_moe(x, router, gate_up, down, top_k, renormalize, first_expert, algo,

@@ -19,7 +19,6 @@ class ReferenceOps:
     moe = staticmethod(reference.moe)
     linear = staticmethod(torch.nn.functional.linear)
     quant_linear = staticmethod(quant.quant_linear)
-    lora = staticmethod(reference.lora)
     long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
 
     @staticmethod
@@ -38,6 +37,17 @@ class ReferenceOps:
         """Whether the residual add and RMSNorm between two quantized layers (their parameters) fold into their
         products (kiln.kernels.fusion); the reference never folds."""
         return False
+
+    @staticmethod
+    def lora_begin(x, batch, stack):
+        """Start a layer's LoRA products (its LoraStack `stack`, the step's LoraBatch `batch`) from the layer's
+        input, before its base product; lora_finish adds them to the output. Here: nothing to start."""
+        return x
+
+    @staticmethod
+    def lora_finish(out, begun, batch, stack):
+        """Add the products lora_begin started (`begun`) to the layer output `out`, in place."""
+        return reference.lora(out, begun, batch, stack)
 
     @staticmethod
     def lora_in_graphs(stack) -> bool:

@@ -51,9 +51,11 @@ class Linear(nn.Module):
 
     def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output."""
-        out = self.ops.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora is not None:
-            out = self.ops.lora(out, x, lora, self.lora)
+        if lora is None or self.lora is None:
+            out = self.ops.linear(x, self.weight, self.bias)
+            return self.ops.silu_and_mul(out) if silu else out
+        begun = self.ops.lora_begin(x, lora, self.lora)
+        out = self.ops.lora_finish(self.ops.linear(x, self.weight, self.bias), begun, lora, self.lora)
         return self.ops.silu_and_mul(out) if silu else out
 
 
@@ -101,8 +103,9 @@ class QuantLinear(nn.Module):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output (its
         GEMV may apply it when no adapter adds to it)."""
         if lora is not None and self.lora is not None:
+            begun = self.ops.lora_begin(x, lora, self.lora)
             out = self.ops.quant_linear(x, self.algo, self.quant_params(), self.bias)
-            out = self.ops.lora(out, x, lora, self.lora)
+            out = self.ops.lora_finish(out, begun, lora, self.lora)
             return self.ops.silu_and_mul(out) if silu else out
         if silu:
             return self.ops.quant_linear_silu(x, self.algo, self.quant_params(), self.bias)

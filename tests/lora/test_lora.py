@@ -213,7 +213,8 @@ def test_no_adapter_no_lora_work(tiny_models, monkeypatch):
 
     hf_dir, base_model = tiny_models["llama"]
     calls = []
-    monkeypatch.setattr(ReferenceOps, "lora", staticmethod(lambda *args: calls.append(1)))
+    monkeypatch.setattr(ReferenceOps, "lora_begin", staticmethod(lambda *args: calls.append(1)))
+    monkeypatch.setattr(ReferenceOps, "lora_finish", staticmethod(lambda *args: calls.append(1)))
     with _llm(hf_dir) as llm:
         assert llm.generate(PROMPTS[1], GREEDY).token_ids == hf_greedy(base_model, PROMPTS[1],
                                                                        GREEDY.max_new_tokens)
