@@ -182,17 +182,40 @@ def throughput(args):
         torch.cuda.empty_cache()
 
 
-def _count_replays(llm) -> list[int]:
-    """A counter (its one item) of the CUDA-graph replays of llm's runner, from now on (zero it to restart)."""
-    graphs, count = llm.core.runner.graphs, [0]
-    replay = graphs.run
+def _time_steps(llm) -> list:
+    """From now on, each step of llm's runner as (tokens, whether a CUDA graph ran it, CUDA events around it) in
+    the returned list (clear it to restart); _step_summary reads it."""
+    runner, steps = llm.core.runner, []
+    run_step, replay, replayed = runner.run_step, runner.graphs.run, [False]
 
     def counted(*args, **kwargs):
-        count[0] += 1
+        replayed[0] = True
         return replay(*args, **kwargs)
 
-    graphs.run = counted
-    return count
+    def timed(step, fill=None):
+        replayed[0] = False
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = run_step(step, fill)
+        end.record()
+        steps.append((len(step.input_ids), replayed[0], begin, end))
+        return out
+
+    runner.graphs.run, runner.run_step = counted, timed
+    return steps
+
+
+def _step_summary(key: str, steps: list, elapsed: float) -> None:
+    """Log the device time of graph and eager steps, and the rest of `elapsed` (host time the GPU waited)."""
+    torch.cuda.synchronize()
+    for kind, graph in (("graph", True), ("eager", False)):
+        mine = [(n, b.elapsed_time(e)) for n, g, b, e in steps if g == graph]
+        log(f"{key}_{kind}_steps", len(mine))
+        log(f"{key}_{kind}_tokens", sum(n for n, _ in mine))
+        log(f"{key}_{kind}_ms", round(sum(ms for _, ms in mine), 1))
+    span = steps[-1][2].elapsed_time(steps[-1][3]) + steps[0][2].elapsed_time(steps[-1][2]) if steps else 0.0
+    log(f"{key}_first_to_last_step_ms", round(span, 1))
+    log(f"{key}_elapsed_ms", round(1e3 * elapsed, 1))
 
 
 @phase
@@ -230,17 +253,14 @@ def lora(args):
         vocab = config.vocab_size
         bench.warm_up(llm, 128, 128, vocab, args.max_batch, args.requests)
         bench.run_requests(llm, bench.random_prompts(64, 128, vocab, seed=2), 8, loras=adapters[:8])   # warm
-        rates, replays = {}, _count_replays(llm)
+        rates, steps = {}, _time_steps(llm)
         for key, loras in (("base", None), ("adapters", adapters[:8])):
             torch.cuda.synchronize()
-            before, replays[0] = llm.stats(), 0
+            steps.clear()
             outputs, elapsed = bench.run_requests(llm, bench.random_prompts(args.requests, 128, vocab), 128, loras=loras)
             rates[key] = bench.summarize("throughput", args.model, "bfloat16", outputs, elapsed, 128, 128).output_tok_s
             log(f"lora_throughput_128_128_{key}_out_tok_s", round(rates[key], 1))
-            after = llm.stats()
-            log(f"lora_throughput_{key}_steps", after["steps"] - before["steps"])
-            log(f"lora_throughput_{key}_graph_steps", replays[0])
-            log(f"lora_throughput_{key}_overlapped_steps", after["overlapped_steps"] - before["overlapped_steps"])
+            _step_summary(f"lora_throughput_{key}", steps, elapsed)
         log("lora_throughput_pct_of_base", round(100 * rates["adapters"] / rates["base"], 1))
         if args.profile:
             _profile_steps(llm, "lora", bench.random_prompts(args.max_batch, 128, vocab, seed=5), 8, adapters[:8])
