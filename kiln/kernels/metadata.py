@@ -26,8 +26,8 @@ class LoraBatch:
         rows, starts = sort_by_slot(token_slots, slots)
         if not rows:
             return None
-        packed = torch.tensor(rows + starts, dtype=torch.int64).to(device, non_blocking=True)
-        return LoraBatch(packed[:len(rows)], packed[len(rows):], (rows, starts))
+        packed = torch.tensor(starts + rows, dtype=torch.int64).to(device, non_blocking=True)   # starts aligned
+        return LoraBatch(packed[len(starts):], packed[:len(starts)], (rows, starts))
 
     @functools.cached_property
     def groups(self) -> list[tuple[int, slice | torch.Tensor]]:

@@ -121,7 +121,7 @@ def test_a_slot_cleared_adds_nothing():
 
 # backend, tokens, in_features, bounds (projections' first rows and the end), slots, max_rank, ranks, dtype
 KERNEL_CASES = [
-    interpreted(5, 64, (0, 32, 48, 64), 3, 8, [8, 3], torch.float32),
+    interpreted(5, 320, (0, 32, 48, 64), 3, 8, [8, 3], torch.float32),        # K split in 3, the last ragged
     interpreted(70, 32, (0, 64), 5, 16, [16, 5], torch.float16),
     *gpu_cases([("cuda", 1, 4096, (0, 4096, 5120, 6144), 1, 16, [16], torch.bfloat16),
                 ("cuda", 256, 4096, (0, 4096, 5120, 6144), 8, 16, [16], torch.bfloat16),

@@ -8,8 +8,9 @@ whatever the grouping, and both kernels are captured in CUDA graphs with the gro
   shrink  (row block, K split) → partial[split, row] = x[row, K part]·A[slot]ᵀ          (float32, P·R columns)
   expand  (row block, column tile) → out[row, tile] += scale[slot, p]·(Σ partial[:, row, p·R:(p+1)·R])·B_pᵀ
 where p is the projection (q, k, v, gate, up) the column tile belongs to. Splitting K keeps a decode step's few
-tokens spread over the GPU; the partial sums are reduced by the expand, so nothing is zeroed first. The shrink
-needs only the layer's input: TritonOps runs it beside the base product, the expand after it.
+tokens spread over the GPU; the partial sums are reduced by the expand, so nothing is zeroed first. Larger steps
+are not split. The shrink needs only the layer's input: TritonOps runs it beside the base product (on a side
+stream), the expand after it. The few variants compiled (decode-sized or not) do not depend on the token count.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import triton.language as tl
 
 from .launch import launch_args, wait_for_inputs
 
-WAVE = 264          # shrink programs aimed for (two per SM of an H200)
-MAX_SPLIT = 8       # K splits at most: the expand sums them per row block
+MAX_SPLIT = 8       # K splits of a decode-sized step (the expand sums them per row block)
+SPLIT_TOKENS = 64   # steps of more tokens are not split: their rows fill the GPU, and the expand reads a row
+                    # block's partial sums once per column tile
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def _block_rows(rows_ptr, starts_ptr, pid, SLOTS: tl.constexpr, SLOTS_PAD: tl.co
     return rows, in_slot, slot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])          # T varies step to step: no recompiles for it
 def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, stride_x, stride_a,
                         SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, PR: tl.constexpr, PR_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -68,7 +70,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, rows_ptr, starts_ptr, partial_ptr, T, K, s
         tl.store(out, acc, mask=in_slot[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _lora_expand_kernel(out_ptr, partial_ptr, b_ptr, scale_ptr, rows_ptr, starts_ptr, T, N, stride_out, stride_b,
                         stride_scale, BOUND1, BOUND2,
                         SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, R: tl.constexpr, PR_PAD: tl.constexpr,
@@ -135,7 +137,7 @@ def shrink(x: torch.Tensor, batch, stack, launch: dict | None = None) -> Shrunk:
     block_m = 16 if tokens <= 64 or pr_pad > 128 else 64
     block_k = 128 if pr_pad <= 64 else 64
     row_blocks = _grid_rows(tokens, slots, block_m)
-    split = max(1, min(MAX_SPLIT, triton.cdiv(k, block_k), triton.cdiv(WAVE, row_blocks)))
+    split = min(MAX_SPLIT, triton.cdiv(k, block_k)) if tokens <= SPLIT_TOKENS else 1
     partial = torch.empty((split, tokens, pr_pad), dtype=torch.float32, device=x.device)
     _lora_shrink_kernel[(row_blocks, split)](
         x, stack.a, batch.rows, batch.starts, partial, tokens, k, x.stride(0), stack.a.stride(0), SLOTS=slots,
