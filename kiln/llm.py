@@ -3,6 +3,7 @@ then serves generate / generate_async from one background engine loop."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import functools
 import sys
@@ -14,7 +15,7 @@ import torch
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
 from kiln.config import (BuildConfig, KvCacheConfig, LoraCacheConfig, Mapping, ParallelConfig, PretrainedConfig,
-                         SchedulerPolicy)
+                         SchedulerPolicy, SpeculativeConfig)
 from kiln.distributed import launched_rank, rank_device
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
@@ -111,6 +112,11 @@ def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: P
     return build_sharded(model, build_config, parallel.tp_size, parallel.pp_size, quiet)
 
 
+def _is_built(model) -> bool:
+    """Whether `model` is an engine already (its build limits are its own)."""
+    return isinstance(model, Engine) or (not isinstance(model, PretrainedModel) and is_engine_dir(Path(model)))
+
+
 def _check_kv_cache_device(kv_cache_config: KvCacheConfig | None, device: torch.device) -> None:
     """Each memory limit of the KV cache applies on one kind of device; the other's is refused, not ignored."""
     if kv_cache_config is None:
@@ -153,7 +159,8 @@ class LLM:
                  device: str | torch.device | None = None, quiet: bool = False,
                  parallel_config: ParallelConfig | None = None,
                  garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False,
-                 lora_cache_config: LoraCacheConfig | None = None):
+                 lora_cache_config: LoraCacheConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         """
         Args:
             model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
@@ -175,6 +182,8 @@ class LLM:
                 very large engines; corruption then goes unnoticed).
             lora_cache_config: how many LoRA adapters stay loaded on the device and on the host (requests choose
                 theirs with lora_request=LoRARequest(name, path)).
+            speculative_config: speculative decoding (n-gram lookup or a draft model), lossless; an engine loaded
+                from disk must have been built with max_draft_len >= its max_draft_len (one built here is).
         """
         if garbage_collection_gen0_threshold is not None and garbage_collection_gen0_threshold < 1:
             raise ValueError(f"garbage_collection_gen0_threshold={garbage_collection_gen0_threshold} must be >= 1 "
@@ -194,6 +203,7 @@ class LLM:
             self.device = rank_device(self.device.type, 0)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
                                   verify=not skip_checksum)
+        draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
             raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="
@@ -208,7 +218,8 @@ class LLM:
                               parallel_config or ParallelConfig(), launched is not None)
         self.core = EngineCore(self.engine, self.device, kv_cache_config, scheduling_policy, enable_chunked_context,
                                normalize_log_probs, parallel=self._parallel, overlap=enable_trt_overlap,
-                               lora_cache_config=lora_cache_config)
+                               lora_cache_config=lora_cache_config, speculative_config=speculative_config,
+                               draft_engine=draft_engine)
         if not quiet:
             print(self.core.memory_line, file=sys.stderr)
         failure = self._workers.failure if self._workers is not None else None
@@ -217,6 +228,39 @@ class LLM:
         self._gc_threshold = gc.get_threshold()             # set only once nothing above can fail
         if garbage_collection_gen0_threshold is not None:
             gc.set_threshold(garbage_collection_gen0_threshold, *self._gc_threshold[1:])
+
+    def _speculation(self, model, config: SpeculativeConfig | None, quiet: bool, skip_checksum: bool) -> Engine | None:
+        """Check speculative_config against the engine (one built here is sized for it); the draft model's engine,
+        built with this engine's limits, for method "draft_model"."""
+        if config is None:
+            return None
+        if not isinstance(config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(config).__name__}")
+        build_limits = self.engine.build_config
+        if self.engine.pretrained_config.mapping.world_size > 1:
+            raise ValueError("speculative decoding with tensor/pipeline parallelism is not supported yet")
+        if not _is_built(model) and build_limits.max_draft_len < config.max_draft_len:
+            self.engine.build_config = dataclasses.replace(build_limits, max_draft_len=config.max_draft_len)
+        elif build_limits.max_draft_len < config.max_draft_len:
+            raise ValueError(f"speculative_config.max_draft_len={config.max_draft_len}, but the engine was built "
+                             f"with max_draft_len={build_limits.max_draft_len}: rebuild it with --max_draft_len "
+                             f"{config.max_draft_len} or draft fewer tokens")
+        if config.method != "draft_model":
+            return None
+        limits = self.engine.build_config
+        draft_build = BuildConfig(max_batch_size=limits.max_batch_size, max_input_len=limits.max_input_len,
+                                  max_seq_len=limits.max_seq_len, max_num_tokens=limits.max_num_tokens)
+        draft = load_engine(config.speculative_model, "auto", None if _is_built(config.speculative_model) else
+                            draft_build, quiet, self.device, verify=not skip_checksum)
+        if draft.pretrained_config.mapping.world_size > 1:
+            raise ValueError("the draft model must be one rank (a sharded draft engine is not supported)")
+        short = [name for name in ("max_batch_size", "max_seq_len")
+                 if getattr(draft.build_config, name) < getattr(limits, name)]
+        if short:
+            raise ValueError(f"the draft engine's {short[0]}={getattr(draft.build_config, short[0])} is below the "
+                             f"engine's ({getattr(limits, short[0])}): build the draft engine with the engine's "
+                             "limits, or give its model directory")
+        return draft
 
     def _start_ranks(self, model, kv_cache_config: KvCacheConfig, lora_cache_config: LoraCacheConfig,
                      parallel: ParallelConfig, launched: bool) -> None:

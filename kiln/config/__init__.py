@@ -6,9 +6,10 @@ from .mapping import Mapping
 from .parallel import ParallelConfig
 from .pretrained import PretrainedConfig
 from .quant import QuantConfig, excluded_modules
-from .runtime import KvCacheConfig, LoraCacheConfig, SchedulerPolicy
+from .runtime import KvCacheConfig, LoraCacheConfig, SchedulerPolicy, SpeculativeConfig
 from .yaml_file import BuildFile, ModelSection, load_build_file
 
 __all__ = ["LORA_TARGET_MODULES", "AutoParallelConfig", "BuildConfig", "BuildFile", "ConvertConfig", "KvCacheConfig",
            "LoraCacheConfig", "LoraConfig", "Mapping", "ModelSection", "ParallelConfig", "PluginConfig",
-           "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "excluded_modules", "field_docs", "load_build_file"]
+           "PretrainedConfig", "QuantConfig", "SchedulerPolicy", "SpeculativeConfig", "excluded_modules", "field_docs",
+           "load_build_file"]

@@ -206,7 +206,9 @@ class BuildConfig:
     enable_debug_output: bool = False
     """Keep intermediate tensors for debugging."""
     max_draft_len: int = 0
-    """Draft tokens per step for speculative decoding; 0 disables it."""
+    """Draft tokens a sequence may have verified per step (speculative decoding, LLM's speculative_config); 0:
+    an engine loaded from disk runs without speculation (an LLM that builds its engine sets it from its
+    speculative_config)."""
     use_refit: bool = False
     """Build a refittable engine: its weights may be replaced in place by a model of the same architecture and
     shapes (LLM.update_weights, Engine.refit) without a rebuild; refit refuses an engine built without it, as
@@ -269,7 +271,9 @@ class BuildConfig:
         reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
         reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
-        reject_unsupported(self, ["max_draft_len"], "speculative decoding is not implemented yet")
+        require(isinstance(self.max_draft_len, int) and not isinstance(self.max_draft_len, bool)
+                and self.max_draft_len >= 0,
+                f"BuildConfig.max_draft_len must be a whole number >= 0, got {self.max_draft_len!r}")
         reject_unsupported(self, ["weight_sparsity"], "sparse weights are not implemented yet")
         reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
 

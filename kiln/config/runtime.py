@@ -57,3 +57,43 @@ class SchedulerPolicy(enum.Enum):
     """Admit a request only when blocks for its whole output are free, so none is ever preempted."""
     MAX_UTILIZATION = "max_utilization"
     """Admit greedily; when blocks run out, preempt the newest request and recompute it later."""
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (LLM(..., speculative_config=...)): a drafter proposes up to max_draft_len tokens per
+    generating sequence and step, the model verifies them all in one forward pass and keeps the longest prefix it
+    agrees with plus one token of its own. Lossless: greedy output is the output without speculation, sampled
+    output follows the model's distribution (rejection sampling). Requests with repetition/presence/frequency
+    penalties, beam search or n > 1 decode without speculation, in the same batch."""
+
+    method: str = "ngram"
+    """"ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's last
+    n-gram (no extra model); "draft_model": a smaller model sharing the tokenizer (speculative_model) drafts
+    autoregressively."""
+    max_draft_len: int = 4
+    """Draft tokens verified per sequence and step (at most the engine's BuildConfig.max_draft_len)."""
+    max_matching_ngram_size: int = 4
+    """ngram: the longest suffix n-gram looked up (longer matches are tried first)."""
+    min_matching_ngram_size: int = 1
+    """ngram: the shortest suffix n-gram looked up."""
+    speculative_model: str | None = None
+    """draft_model: the draft model — an engine directory, Kiln checkpoint, HF directory or GGUF file (or a loaded
+    Engine); its vocabulary must be the target's."""
+
+    def __post_init__(self):
+        require(self.method in SPECULATIVE_METHODS,
+                f"SpeculativeConfig.method={self.method!r}: choose one of {', '.join(SPECULATIVE_METHODS)} "
+                "(EAGLE heads are not implemented yet)")
+        require_positive("SpeculativeConfig", max_draft_len=self.max_draft_len,
+                         max_matching_ngram_size=self.max_matching_ngram_size,
+                         min_matching_ngram_size=self.min_matching_ngram_size)
+        require(self.min_matching_ngram_size <= self.max_matching_ngram_size,
+                f"SpeculativeConfig: min_matching_ngram_size={self.min_matching_ngram_size} exceeds "
+                f"max_matching_ngram_size={self.max_matching_ngram_size}")
+        require((self.speculative_model is not None) == (self.method == "draft_model"),
+                "SpeculativeConfig.speculative_model is the draft model of method='draft_model': give it there "
+                "and only there")

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from kiln.builder import Engine
-from kiln.config import KvCacheConfig, LoraCacheConfig, SchedulerPolicy
+from kiln.config import KvCacheConfig, LoraCacheConfig, SchedulerPolicy, SpeculativeConfig
 
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, StepLogits
-from .request import Request
+from .request import PENDING_TOKEN, Request
 from .scheduler import Scheduler
+from .speculative import DraftModelDrafter, NgramDrafter, draft_room
 from .step import Refit
 
 
@@ -53,11 +54,15 @@ class EngineCore:
     def __init__(self, engine: Engine, device: torch.device, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT,
                  enable_chunked_context: bool = False, normalize_log_probs: bool = False, parallel=None,
-                 overlap: bool = False, lora_cache_config: LoraCacheConfig | None = None):
-        """overlap: schedule and launch step N+1 before reading step N's greedy tokens (see step_overlapped)."""
+                 overlap: bool = False, lora_cache_config: LoraCacheConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None, draft_engine: Engine | None = None):
+        """overlap: schedule and launch step N+1 before reading step N's greedy tokens (see step_overlapped);
+        speculative_config: draft tokens to verify each step (with draft_engine, the draft model's engine, for
+        method "draft_model")."""
         build, kv_config = engine.build_config, kv_cache_config or KvCacheConfig()
         lora_cache = lora_cache_config or LoraCacheConfig()
         self.runner = ModelRunner(engine, device, normalize_log_probs, parallel=parallel, lora_cache=lora_cache)
+        self.drafter = self._drafter(speculative_config, draft_engine, kv_config, device)
         num_blocks, self.memory_line = plan_kv_blocks(engine, kv_config, device, self.runner.kv_bytes_per_token)
         if parallel is not None:                         # every rank's pool has the same blocks: the smallest fits
             num_blocks = parallel.min_over_ranks(num_blocks)
@@ -71,6 +76,43 @@ class EngineCore:
         self.overlapped_steps = 0
         self.refits = 0                                 # weight updates applied (refit)
 
+    def _drafter(self, config: SpeculativeConfig | None, draft_engine: Engine | None, kv_config: KvCacheConfig,
+                 device: torch.device):
+        """The drafter of `config` (its draft model loaded with its own KV cache, before this engine's is sized),
+        or None."""
+        if config is None:
+            return None
+        self.runner.speculating = True
+        if config.method == "ngram":
+            return NgramDrafter(config)
+        draft, target = draft_engine.pretrained_config, self.runner.config
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
+                             f"{target.vocab_size}: a draft model must share the model's tokenizer")
+        return DraftModelDrafter(config, draft_engine, device,
+                                 lambda bytes_per_token: plan_kv_blocks(draft_engine, kv_config, device,
+                                                                        bytes_per_token)[0])
+
+    def set_drafter(self, drafter) -> None:
+        """Propose draft tokens with `drafter` (an object with max_draft_len, propose(batch), release(request))
+        from now on; None: no speculation."""
+        self.drafter, self.runner.speculating = drafter, drafter is not None
+
+    def _draft(self) -> None:
+        """Give each generating sequence that may speculate its draft tokens for the next step."""
+        batch = []
+        for request in self.scheduler.running:
+            for seq in request.seqs:
+                seq.draft_ids, seq.draft_probs = [], None
+            if not self.runner.may_speculate(request):
+                continue
+            seq = request.seqs[0]
+            k = draft_room(request, seq, min(self.drafter.max_draft_len, self.runner.max_draft_len))
+            if k > 0 and seq.num_pending_tokens == 1 and seq.token_ids[-1] != PENDING_TOKEN:
+                batch.append((request, seq, k))
+        if batch:
+            self.drafter.propose(batch)
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -81,6 +123,8 @@ class EngineCore:
         """One forward over the scheduled tokens; returns the requests that advanced (or finished)."""
         if self.overlap:
             return self.step_overlapped()
+        if self.drafter is not None:
+            self._draft()
         out, failed = self._schedule()
         return _unique(failed + (self._complete(out, self.runner.launch(out)) if out else []))
 
@@ -89,6 +133,8 @@ class EngineCore:
         inputs there and reach the host in the background), then read step N's tokens. The host's work of
         one step overlaps the device's work of the next; sequences that step N finished have their share of
         step N+1 computed for nothing (and dropped). Steps with other sampling run as usual, in order."""
+        if self.drafter is not None:
+            self._draft()
         out, failed = self._schedule()
         launch = self.runner.launch(out, self.pending, defer=True) if out else None
         advanced = failed + (self._read(self.pending) if self.pending is not None else [])
@@ -141,6 +187,8 @@ class EngineCore:
     def _release(self, finished: list[Request]) -> None:
         for request in finished:
             self.runner.release(request)
+            if self.drafter is not None:
+                self.drafter.release(request)
 
     def _attach_logits(self, gathered: StepLogits) -> None:
         requests = {r.request_id: r for r in self.scheduler.running}
@@ -156,11 +204,11 @@ class EngineCore:
     def finish_seq(self, request: Request, seq, reason: str) -> None:
         self.scheduler.finish_seq(request, seq, reason)
         if request.finished:
-            self.runner.release(request)
+            self._release([request])
 
     def abort(self, request: Request) -> None:
         self.scheduler.abort(request)
-        self.runner.release(request)
+        self._release([request])
 
     def refit(self, engine: Engine, weights, source=None) -> None:
         """Copy new weights (engine.refit_source's, checked) into the engine's tensors and the network's, a layer at
@@ -183,6 +231,8 @@ class EngineCore:
     def close(self) -> None:
         """Free the device memory (weights, KV cache, graphs); the statistics stay readable."""
         self.runner.close()
+        if hasattr(self.drafter, "close"):
+            self.drafter.close()
 
     def stats(self) -> dict:
         kv, sched = self.kv, self.scheduler
@@ -194,8 +244,17 @@ class EngineCore:
                 "scheduled_tokens": sched.stats.scheduled_tokens, "last_step_tokens": sched.stats.last_step_tokens,
                 "tokens_per_step": sched.stats.scheduled_tokens / sched.stats.steps if sched.stats.steps else 0.0,
                 "preemptions": sched.stats.preemptions, "overlapped_steps": self.overlapped_steps,
-                "refits": self.refits,
+                "refits": self.refits, **speculation_stats(sched.stats),
                 "kernels_compiled_at_load": self.runner.kernels_compiled_at_load}
+
+
+def speculation_stats(stats) -> dict:
+    """Draft tokens verified and accepted, the acceptance rate, and the mean tokens a speculative step emitted
+    per sequence (accepted drafts + the model's own)."""
+    steps = stats.speculative_steps
+    return {"draft_tokens": stats.draft_tokens, "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "draft_acceptance_rate": stats.accepted_draft_tokens / stats.draft_tokens if stats.draft_tokens else 0.0,
+            "mean_accepted_length": 1 + stats.accepted_draft_tokens / steps if steps else 0.0}
 
 
 def copy_refit(engine: Engine, runner: ModelRunner, weights) -> None:

@@ -328,21 +328,33 @@ class GenerationExecutor:
         tokens = seq.output_token_ids
         if seq.finish_reason == "stop" and tokens and tokens[-1] in request.stop_ids:
             text.stop_reason, tokens = tokens[-1], tokens[:-1]     # an end/stop token adds no text
-        new, text.num_tokens = tokens[text.num_tokens:], len(tokens)
-        before = len(text.text)
-        if new:
-            text.text += text.detokenizer.push(new)
+        new = tokens[text.num_tokens:]
+        # several new tokens (a speculative step) are looked at one by one for a stop string, so the tokens after
+        # the one that completes it are dropped, as decoding one token a step would never have made them
+        pieces = [[t] for t in new] if request.sampling.stop and len(new) > 1 else [new]
+        for i, piece in enumerate(pieces):
+            before, text.num_tokens = len(text.text), text.num_tokens + len(piece)
+            if piece:
+                text.text += text.detokenizer.push(piece)
+            if seq.finished and i == len(pieces) - 1:
+                text.text += text.detokenizer.flush()
+                text.done = True
+            cut = find_stop(text.text, before, request.sampling.stop) if request.sampling.stop else None
+            if cut is not None:
+                self._stop_at(request, seq, text, cut, drop_after=len(pieces) > 1)
+                return
+
+    def _stop_at(self, request: Request, seq: Sequence, text: _SeqText, cut: int, drop_after: bool) -> None:
+        """End the sequence at a stop string found at text position `cut`: its text cut there (and with
+        drop_after, its tokens after the one that completed it dropped)."""
+        text.stop_reason = next(s for s in request.sampling.stop if text.text.startswith(s, cut))
+        text.text, text.done = text.text[:cut], True
+        if drop_after:
+            del seq.token_ids[seq.num_prompt_tokens + text.num_tokens:]
         if seq.finished:
-            text.text += text.detokenizer.flush()
-            text.done = True
-        cut = find_stop(text.text, before, request.sampling.stop) if request.sampling.stop else None
-        if cut is not None:
-            text.stop_reason = next(s for s in request.sampling.stop if text.text.startswith(s, cut))
-            text.text, text.done = text.text[:cut], True
-            if seq.finished:
-                seq.finish_reason = "stop"
-            else:
-                self.core.finish_seq(request, seq, "stop")
+            seq.finish_reason = "stop"
+        else:
+            self.core.finish_seq(request, seq, "stop")
 
     def _snapshot(self, state: _RequestState) -> GenerationOutput:
         request = state.request
@@ -352,7 +364,9 @@ class GenerationExecutor:
             seqs = sorted(request.all_seqs(), key=lambda s: s.sample_index)
         outputs = [self._completion(state, i, seq) for i, seq in enumerate(seqs)]
         metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time,
-                                 max((s.num_output_tokens for s in request.all_seqs()), default=0))
+                                 max((s.num_output_tokens for s in request.all_seqs()), default=0),
+                                 request.num_draft_tokens, request.num_accepted_draft_tokens,
+                                 request.num_speculative_steps)
         return GenerationOutput(request.request_id, state.prompt, list(request.prompt_token_ids), outputs,
                                 request.finished, metrics, request.num_cached_prompt_tokens, request.context_logits)
 

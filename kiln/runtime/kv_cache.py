@@ -142,6 +142,16 @@ class KVCacheManager:
         seq.block_ids = []
         seq.block_keys = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the sequence's blocks past those `num_tokens` tokens fill (speculative decoding: blocks that held
+        only rejected drafts), last first."""
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(seq.block_ids[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        del seq.block_ids[keep:]
+
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):
             self.keys[block] = None

@@ -19,7 +19,7 @@ from . import sampler
 from .beam_search import beams_to_keep
 from .kernel_cache import count_entries, install
 from .lora import LoraManager
-from .request import PENDING_TOKEN, Request, Sequence
+from .request import PENDING_TOKEN, Request, Sequence, may_speculate
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 from .step import Step, split_step
 
@@ -34,9 +34,14 @@ class StepLogits:
 class Launch:
     """A step started on the device: what `finish` needs to produce its tokens."""
 
-    def __init__(self, out: SchedulerOutput, done: list[Sequence], context, logits):
+    def __init__(self, out: SchedulerOutput, done: list[Sequence], context, logits, drafted=()):
         self.out, self.done, self.context, self.logits = out, done, context, logits
         self.row_of = {seq.seq_id: i for i, seq in enumerate(done)}        # logits row of each finished sequence
+        first = len(done) + sum(len(rows) for _, rows in context)
+        self.draft_rows = {}                  # seq id → logits after its last token and each draft but the last
+        for seq in drafted:
+            self.draft_rows[seq.seq_id] = (first, first + len(seq.draft_ids))
+            first += len(seq.draft_ids)
         self.tokens = self.request_of = self._host = self._copied = None
 
     @property
@@ -95,6 +100,8 @@ class ModelRunner:
         reserve = plugins.lora_plugin is not None or bool(build.lora_config.lora_dir)
         self.lora = LoraManager(self.net, config, build.lora_config, lora_cache or LoraCacheConfig(), device, reserve)
         self._adapters: tuple[dict[str, int], list] | None = None    # the next launch's (slots, loads)
+        self.max_draft_len = build.max_draft_len          # draft tokens a sequence may have verified per step
+        self.speculating = False                          # a drafter proposes: never defer a request it may draft for
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -168,9 +175,10 @@ class ModelRunner:
                 seq_lens.append(end)
                 tables.append(blocks)
                 continue
-            if seq.token_ids[end - 1] == PENDING_TOKEN:
+            tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
+            if tokens[end - 1] == PENDING_TOKEN:
                 raise RuntimeError(f"sequence {seq.seq_id}: a chunk of {n} tokens ends in a token still on the device")
-            ids += seq.token_ids[begin:end]
+            ids += tokens[begin:end]
             positions += range(begin, end)
             blocks = seq.block_ids
             slots += [blocks[i // bs] * bs + i % bs for i in range(begin, end)]
@@ -209,18 +217,22 @@ class ModelRunner:
         tokens. With `defer` (and only greedy, one-sequence requests finishing their tokens) the step's tokens
         stay on the device and are copied to the host in the background: `finish` reads them later."""
         ids, positions, slots, starts, seq_lens, tables = self._prepare(out)
-        ends = [i for i, (_, seq, n) in enumerate(out.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+        ends = [i for i, (_, seq, n) in enumerate(out.scheduled)
+                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_ids)]
         context = self._context_rows(out, starts) if self.gather_context_logits else []
+        drafted = [(i, seq) for i, (_, seq, _) in enumerate(out.scheduled) if seq.draft_ids]
+        draft_rows = [row for i, seq in drafted for row in range(starts[i + 1] - 1 - len(seq.draft_ids),
+                                                                  starts[i + 1] - 1)]
         step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
                     max(n for _, _, n in out.scheduled), max(seq_lens),
-                    [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows],
+                    [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows] + draft_rows,
                     *self._lora_slots(out))
         if self.parallel is not None:
             self.parallel.broadcast(step)
         fill = self._pending_inputs(out, starts, previous)
         logits = self.run_step(step, fill)                                            # (rows, V)
-        launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits)
-        if defer and ends and self._deferrable(out, launch.row_of):
+        launch = Launch(out, [out.scheduled[i][1] for i in ends], context, logits, [seq for _, seq in drafted])
+        if defer and ends and not drafted and self._deferrable(out, launch.row_of):
             launch.defer(self.net.ops.argmax_rows(launch.rows))
         return launch
 
@@ -236,12 +248,18 @@ class ModelRunner:
         for request_id, context_rows in launch.context:
             gathered.context[request_id] = launch.logits[offset:offset + len(context_rows)].cpu()
             offset += len(context_rows)
-        return self._sample(out, launch.rows, launch.done, gathered), gathered
+        return self._sample(out, launch.rows, launch.done, gathered, launch), gathered
 
     def _deferrable(self, out: SchedulerOutput, row_of: dict[int, int]) -> bool:
         finishing = {id(r): r for r, seq, _ in out.scheduled if seq.seq_id in row_of}
         return (self.parallel is None and not self.gather_generation_logits and not self.gather_context_logits
-                and all(self._simple(r, row_of) for r in finishing.values()))
+                and all(self._simple(r, row_of) for r in finishing.values())
+                and not (self.speculating and any(map(self.may_speculate, finishing.values()))))
+
+    def may_speculate(self, request: Request) -> bool:
+        """Whether drafts may be verified for the request (speculative.may_speculate; not where the engine returns
+        generation logits, one row per step)."""
+        return self.max_draft_len > 0 and not self.gather_generation_logits and may_speculate(request)
 
     def _pending_inputs(self, out: SchedulerOutput, starts: list[int], previous: "Launch | None"):
         """(packed rows, device tokens) for the inputs that are still on the device, or None."""
@@ -329,12 +347,17 @@ class ModelRunner:
 
     # --- sampling -----------------------------------------------------------------------------------------
     def _sample(self, out: SchedulerOutput, rows: torch.Tensor | None, done: list[Sequence],
-                gathered: StepLogits) -> ModelStepOutput:
+                gathered: StepLogits, launch: Launch | None = None) -> ModelStepOutput:
         result = ModelStepOutput()
         if rows is None:
             return result
         row_of = {seq.seq_id: i for i, seq in enumerate(done)}
         requests = list({id(r): r for r, _, _ in out.scheduled}.values())
+        if launch is not None and launch.draft_rows:
+            drafted = [r for r in requests if r.seqs and r.seqs[0].seq_id in launch.draft_rows]
+            for request in drafted:
+                self._verify(request, launch, row_of, result)
+            requests = [r for r in requests if r not in drafted]
         simple = [r for r in requests if self._simple(r, row_of)]
         if simple:                                    # batched greedy: one argmax, one copy to the host
             order = [row_of[r.seqs[0].seq_id] for r in simple]
@@ -379,10 +402,23 @@ class ModelRunner:
         except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
             self._fail(request, err, result)
 
+    def _verify(self, request: Request, launch: Launch, row_of: dict[int, int], result: ModelStepOutput) -> None:
+        """The tokens a speculative step emits for the request's sequence (sampler.verify_drafts)."""
+        seq = request.seqs[0]
+        first, end = launch.draft_rows[seq.seq_id]
+        rows = torch.cat([launch.logits[first:end], launch.logits[row_of[seq.seq_id]][None]])
+        try:
+            emitted = sampler.verify_drafts(rows, request, seq, self._generator(request, seq.sample_index),
+                                            self.normalize_log_probs)
+            result.speculated[request.request_id] = [SampledToken(0, token, logprob) for token, logprob in emitted]
+        except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
+            self._fail(request, err, result)
+
     def _fail(self, request: Request, err: Exception, result: ModelStepOutput) -> None:
         """The request gets no token this step; the engine ends it with `err`."""
         request.error = err
         result.tokens.pop(request.request_id, None)
+        result.speculated.pop(request.request_id, None)
         result.beam_candidates.pop(request.request_id, None)
         self.forget_logits(request)
 

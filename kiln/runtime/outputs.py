@@ -16,6 +16,23 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_generated_tokens: int = 0
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for the request,"""
+    num_accepted_draft_tokens: int = 0
+    """of them accepted,"""
+    num_speculative_steps: int = 0
+    """in this many steps."""
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted draft tokens over verified ones (None: nothing was drafted)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a speculative step emitted on average: accepted drafts + the model's own token."""
+        steps = self.num_speculative_steps
+        return 1 + self.num_accepted_draft_tokens / steps if steps else None
 
     @property
     def time_to_first_token(self) -> float | None:

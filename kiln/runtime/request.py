@@ -77,6 +77,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     sample_index: int = 0          # which of the request's n samples (seeds its generator)
+    draft_ids: list[int] = field(default_factory=list)     # speculative tokens to verify after token_ids this step
+    draft_probs: object = None     # (len(draft_ids), V) tensor: the draft model's distributions (None: proposed
+                                   # deterministically, as by n-gram lookup)
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +142,9 @@ class Request:
     generation_logits: list = field(default_factory=list)
     error: Exception | None = None          # why processing this request failed; the engine ends it alone
     lora_request: LoRARequest | None = None # the adapter it runs under (None: the base model)
+    num_draft_tokens: int = 0               # speculative decoding: draft tokens verified,
+    num_accepted_draft_tokens: int = 0      # of them accepted,
+    num_speculative_steps: int = 0          # in this many steps that verified drafts
 
     def __post_init__(self):
         if not self.seqs:
@@ -165,3 +171,11 @@ class Request:
         """The most KV-cache blocks this request can ever hold at once (its worst case, nothing shared)."""
         per_seq = -(-(self.num_prompt_tokens + self.sampling.max_new_tokens) // tokens_per_block)
         return self.sampling.num_sequences * per_seq
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether a request's decoding can verify draft tokens: one sequence (no beams, n = 1) and no penalties
+    (they depend on each token before)."""
+    sampling = request.sampling
+    return (len(request.seqs) == 1 and not sampling.use_beam_search and sampling.num_sequences == 1
+            and not sampling.has_penalties)

@@ -120,3 +120,58 @@ def beam_candidates(rows: torch.Tensor, request: Request, keep: int) -> list[Can
     vocab = rows.shape[-1]
     return [Candidate(int(i) // vocab, int(i) % vocab, float(v), float(logprobs.flatten()[i]))
             for v, i in zip(values.tolist(), flat.tolist())]
+
+
+def verify_drafts(rows: torch.Tensor, request: Request, seq: Sequence, generator: torch.Generator | None,
+                  normalize_log_probs: bool) -> list[tuple[int, TokenLogprob | None]]:
+    """The tokens a speculative step emits for `seq`: rows (k+1, V) are the model's logits after its last token
+    and after each of its k draft tokens (seq.draft_ids). Greedy: the drafts while they equal the model's argmax,
+    then the model's own token — the tokens decoding without drafts gives. Sampled: draft i is accepted with
+    probability min(1, p(d)/q(d)) (p: the model's distribution after temperature/top-k/top-p, q: the drafter's,
+    one-hot where seq.draft_probs is None), a rejected one replaced by a sample of the residual max(0, p − q),
+    and after k accepted drafts one more token is sampled from p: the emitted tokens follow p exactly."""
+    sampling, drafts = request.sampling, seq.draft_ids
+    rows = finite_logits(rows.float())
+    if seq.num_output_tokens + len(drafts) < sampling.min_tokens and request.stop_ids:
+        rows = rows.clone()
+        for i in range(rows.shape[0]):
+            if seq.num_output_tokens + i < sampling.min_tokens:
+                rows[i, torch.tensor(sorted(request.stop_ids), device=rows.device)] = float("-inf")
+    if sampling.greedy:
+        picks = rows.argmax(-1).tolist()
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, picks)) if d != t), len(drafts))
+        tokens = drafts[:accepted] + [picks[accepted]]
+        kept = rows
+    else:
+        kept = torch.stack([filtered_logits(row, sampling) for row in rows])
+        if not torch.isfinite(kept).any(-1).all():
+            raise NoFiniteLogit()
+        tokens = _rejection_sample(kept.softmax(-1), drafts, seq.draft_probs, generator)
+    if any(t == NO_TOKEN for t in tokens) or not torch.isfinite(kept[len(tokens) - 1]).any():
+        raise NoFiniteLogit()
+    if sampling.logprobs is None:
+        return [(t, None) for t in tokens]
+    scale = sampling.temperature or 1.0
+    dist = kept if (normalize_log_probs or sampling.greedy) else finite_logits(rows / scale)
+    logprobs = torch.log_softmax(dist[:len(tokens)].float(), dim=-1)
+    return [(t, _logprob_entry(logprobs[i], t, sampling.logprobs)) for i, t in enumerate(tokens)]
+
+
+def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+                      generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling over p (k+1, V) of k drafts with the drafter's q (k, V), None: one-hot drafts."""
+    k = len(drafts)
+    index = torch.tensor(drafts, device=p.device)
+    p_d = p[torch.arange(k, device=p.device), index]
+    q_d = q[torch.arange(k, device=p.device), index] if q is not None else torch.ones_like(p_d)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accept = (u * q_d <= p_d).tolist()
+    accepted = next((i for i, ok in enumerate(accept) if not ok), k)
+    if accepted == k:
+        final = p[k]
+    else:
+        draft_q = q[accepted] if q is not None else torch.nn.functional.one_hot(index[accepted], p.shape[-1]).to(p)
+        residual = (p[accepted] - draft_q).clamp_min(0)
+        final = residual if residual.sum() > 0 else p[accepted]
+    token = int(torch.multinomial(final, 1, generator=generator)[0]) if final.sum() > 0 else NO_TOKEN
+    return drafts[:accepted] + [token]

@@ -46,6 +46,8 @@ class ModelStepOutput:
     """What the model runner decided for the requests whose sequences are all computed after a step."""
 
     tokens: dict[int, list[SampledToken]] = field(default_factory=dict)      # request id → tokens
+    speculated: dict[int, list[SampledToken]] = field(default_factory=dict)  # request id → its sequence's accepted
+                                                                             # drafts and the model's next token
     beam_candidates: dict[int, list[Candidate]] = field(default_factory=dict)
 
 
@@ -55,6 +57,9 @@ class SchedulerStats:
     scheduled_tokens: int = 0
     last_step_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0             # speculative decoding: draft tokens verified,
+    accepted_draft_tokens: int = 0    # of them accepted,
+    speculative_steps: int = 0        # over this many sequence-steps
 
 
 class Scheduler:
@@ -125,6 +130,8 @@ class Scheduler:
         seqs = request.seqs
         if seqs and seqs[-1].token_ids[-1] == PENDING_TOKEN:      # overlapped steps: skip sequences whose last
             seqs = [s for s in seqs if s.num_output_tokens < request.sampling.max_new_tokens]   # token is sampled
+        if len(seqs) == 1 and seqs[0].draft_ids:
+            return self._schedule_drafts(request, seqs[0], budget, out)
         if len(seqs) == 1 and budget > 0:             # the common case: one sequence decoding one token
             seq = seqs[0]
             computed = seq.num_computed_tokens
@@ -143,6 +150,23 @@ class Scheduler:
             out.scheduled.append((request, seq, n))
             budget -= n
         return budget, False
+
+    def _schedule_drafts(self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        """A generating sequence with draft tokens: its last token and as many drafts as the budget leaves."""
+        keep = max(0, budget - 1)
+        if keep < len(seq.draft_ids):
+            seq.draft_ids = seq.draft_ids[:keep]
+            seq.draft_probs = None if seq.draft_probs is None or not keep else seq.draft_probs[:keep]
+        if budget == 0:
+            return budget, False
+        n = 1 + len(seq.draft_ids)
+        while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return self.max_num_tokens - out.num_tokens, True
+        out.scheduled.append((request, seq, n))
+        return budget - n, False
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput, reserved: int | None) -> int:
         """Start the first waiting request if it fits: the number of its tokens scheduled now (0: it waits).
@@ -200,6 +224,7 @@ class Scheduler:
         for seq in request.seqs:
             self.kv.free_seq(seq)
             seq.num_computed_tokens = 0
+            seq.draft_ids, seq.draft_probs = [], None
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -219,13 +244,13 @@ class Scheduler:
         PENDING_TOKEN in its place, so the next step can be scheduled before the host reads the sampled tokens
         (apply(..., fill=True) puts them in)."""
         for _, seq, n in out.scheduled:
-            if not seq.finished:
+            if not seq.finished and not seq.draft_ids:       # (a speculative step's: apply, once verified)
                 seq.num_computed_tokens += n
                 if pending and seq.num_computed_tokens == seq.num_tokens:
                     seq.token_ids.append(PENDING_TOKEN)
         if self.kv.enable_reuse:
             for request, seq, _ in out.scheduled:
-                if not seq.finished:
+                if not seq.finished and not seq.draft_ids:
                     self.kv.register_full_blocks(seq, request.cache_salt)
 
     def apply(self, out: SchedulerOutput, result: ModelStepOutput, fill: bool = False) -> list[Request]:
@@ -237,7 +262,11 @@ class Scheduler:
                 continue
             seen.add(rid)
             tokens = result.tokens.get(rid)
-            if tokens is not None:
+            if rid in result.speculated:
+                self._accept_drafts(request, result.speculated[rid])
+                if request.first_token_time is None:
+                    request.first_token_time = now
+            elif tokens is not None:
                 if fill:
                     self._fill(request.seqs[0], tokens[0])
                 elif len(tokens) == 1 and len(request.seqs) == 1 and tokens[0].parent == 0 and tokens[0].sample_index is None:
@@ -259,6 +288,29 @@ class Scheduler:
             if request.finished:
                 finished.append(request)
         return finished
+
+    def _accept_drafts(self, request: Request, tokens: list[SampledToken]) -> None:
+        """A speculative step's outcome for the request's sequence: `tokens` are its accepted drafts and the
+        model's next token. The last token and the accepted drafts are now in the KV cache; the blocks that held
+        only rejected drafts go back to the pool. Tokens after one that ends the sequence are dropped."""
+        seq = request.seqs[0]
+        drafted, accepted = len(seq.draft_ids), len(tokens) - 1
+        seq.num_computed_tokens += 1 + accepted
+        seq.draft_ids, seq.draft_probs = [], None
+        request.num_draft_tokens += drafted
+        request.num_accepted_draft_tokens += accepted
+        request.num_speculative_steps += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_draft_tokens += accepted
+        self.stats.speculative_steps += 1
+        for t in tokens:
+            self._append(seq, t)
+            self._finish_ended_seqs(request)
+            if seq.finished:
+                return
+        self.kv.trim(seq, seq.num_tokens)
+        if self.kv.enable_reuse:
+            self.kv.register_full_blocks(seq, request.cache_salt)
 
     @staticmethod
     def _fill(seq: Sequence, t: SampledToken) -> None:
