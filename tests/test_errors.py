@@ -136,7 +136,7 @@ def test_yaml_shape_disagreeing_with_the_model(tiny_models, tmp_path, capsys):
 
 
 def test_unsupported_build_fields(tiny_models, tmp_path, capsys):
-    for kwargs, pattern in (({"max_draft_len": 4}, "max_draft_len=4 is not supported"),
+    for kwargs, pattern in (({"max_draft_len": -1}, "max_draft_len must be a whole number >= 0"),
                             ({"weight_sparsity": True}, "weight_sparsity=True is not supported"),
                             ({"plugin_config": {"paged_kv_cache": False}}, "paged_kv_cache=False is not supported")):
         with pytest.raises(ValueError, match=pattern):

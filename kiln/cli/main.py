@@ -79,8 +79,33 @@ def _run_parser(sub) -> None:
     src.add_argument("--model_dir", help="HF directory, GGUF file or Kiln checkpoint (built on the fly)")
     _generation_args(p)
     p.add_argument("--skip_checksum", action="store_true", help=SKIP_CHECKSUM_HELP)
+    _speculative_args(p)
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.set_defaults(handler=cmd_run)
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative_method", choices=("ngram", "draft_model"),
+                   help="speculative decoding (lossless): ngram (prompt lookup) or draft_model (--speculative_model)")
+    p.add_argument("--speculative_model", help="with --speculative_method draft_model: the draft model (engine, "
+                                               "checkpoint, HF directory or GGUF file sharing the tokenizer)")
+    p.add_argument("--max_draft_len", type=int, default=4, help="with --speculative_method: draft tokens per step")
+    p.add_argument("--max_matching_ngram_size", type=int, default=4,
+                   help="with --speculative_method ngram: the longest suffix n-gram looked up")
+
+
+def _speculative_config(args):
+    """The SpeculativeConfig of --speculative_method and its flags (None without it; its flags alone are refused)."""
+    from kiln.config import SpeculativeConfig
+
+    if args.speculative_method is None:
+        if args.speculative_model is not None:
+            raise ValueError("--speculative_model needs --speculative_method draft_model")
+        return None
+    return SpeculativeConfig(method=args.speculative_method, max_draft_len=args.max_draft_len,
+                             max_matching_ngram_size=args.max_matching_ngram_size,
+                             min_matching_ngram_size=min(1, args.max_matching_ngram_size),
+                             speculative_model=args.speculative_model)
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +211,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv_cache_max_tokens", type=int, help="most tokens the KV cache holds (default: from memory)")
     p.add_argument("--skip_checksum", action="store_true", help=SKIP_CHECKSUM_HELP)
+    _speculative_args(p)
     p.set_defaults(kv_fields=add_dataclass_args(p, KvCacheConfig, skip=("max_tokens",)),
                    lora_cache_fields=add_dataclass_args(p, LoraCacheConfig), handler=cmd_serve)
 
@@ -406,7 +432,8 @@ def _chat(llm, args) -> None:
 def cmd_run(args) -> None:
     from kiln import LLM
 
-    _chat(LLM(args.engine_dir or args.model_dir, device=args.device, skip_checksum=args.skip_checksum), args)
+    _chat(LLM(args.engine_dir or args.model_dir, device=args.device, skip_checksum=args.skip_checksum,
+              speculative_config=_speculative_config(args)), args)
 
 
 def cmd_demo(args) -> None:
@@ -478,7 +505,8 @@ def cmd_serve(args) -> None:
                                 **pick(args, args.kv_fields)})
     llm = LLM(args.model, kv_cache_config=kv_cache, enable_chunked_context=args.enable_chunked_context,
               device=args.device, skip_checksum=args.skip_checksum,
-              lora_cache_config=LoraCacheConfig(**pick(args, args.lora_cache_fields)))
+              lora_cache_config=LoraCacheConfig(**pick(args, args.lora_cache_fields)),
+              speculative_config=_speculative_config(args))
     serve(llm, config, args.host, args.port, args.shutdown_timeout)
 
 

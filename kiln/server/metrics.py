@@ -22,7 +22,14 @@ ENGINE_GAUGES = (("running_requests", "kiln_requests_running", "Requests the eng
                  ("kv_blocks_used", "kiln_kv_blocks_used", "KV-cache blocks in use"),
                  ("kv_blocks_total", "kiln_kv_blocks_total", "KV-cache blocks in the pool"),
                  ("prefix_cache_hit_rate", "kiln_prefix_cache_hit_rate",
-                  "Fraction of looked-up prompt tokens whose KV blocks were reused"))
+                  "Fraction of looked-up prompt tokens whose KV blocks were reused"),
+                 ("draft_tokens", "kiln_spec_draft_tokens", "Speculative decoding: draft tokens verified"),
+                 ("accepted_draft_tokens", "kiln_spec_accepted_draft_tokens",
+                  "Speculative decoding: draft tokens accepted"),
+                 ("draft_acceptance_rate", "kiln_spec_draft_acceptance_rate",
+                  "Speculative decoding: accepted over verified draft tokens"),
+                 ("mean_accepted_length", "kiln_spec_mean_accepted_length",
+                  "Speculative decoding: tokens a step emitted per speculating sequence"))
 
 
 class EngineCollector:

@@ -21,7 +21,7 @@ from conftest import save_tiny_model
 from kiln import LLM, build
 from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraCacheConfig,
                          LoraConfig, Mapping, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig,
-                         field_docs)
+                         SpeculativeConfig, field_docs)
 from kiln.convert import quantize
 from kiln.models import model_class
 from kiln.runtime.sampling import SamplingConfig
@@ -118,6 +118,11 @@ VALUES = {
         "learned_rounding_steps": (1, {"quant_algo": "W4A16_GPTQ", "group_size": 32}),
     },
     "LoraCacheConfig": {"max_loras": (2, {}), "max_cpu_loras": (8, {})},
+    "SpeculativeConfig": {
+        "method": ("draft_model", {"speculative_model": "<hf>"}), "max_draft_len": (2, {}),
+        "max_matching_ngram_size": (2, {}), "min_matching_ngram_size": (2, {"max_matching_ngram_size": 3}),
+        "speculative_model": ("<hf>", {"method": "draft_model"}),
+    },
     "KvCacheConfig": {
         "max_tokens": (64, {}), "free_gpu_memory_fraction": (0.5, {}), "host_cache_bytes": (1 << 20, {}),
         "enable_block_reuse": (True, {}),
@@ -299,6 +304,12 @@ def use_lora_cache_config(config: LoraCacheConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL), quiet=True), lora_cache_config=config)
 
 
+def use_speculative_config(config: SpeculativeConfig, env) -> None:
+    """Tokens generated with drafts (from a prompt that repeats itself, so n-gram lookup finds some)."""
+    _generate(build(_model(), BuildConfig(**SMALL, max_draft_len=4), quiet=True),
+              SamplingConfig(max_new_tokens=6), speculative_config=config)
+
+
 def use_kv_cache_config(config: KvCacheConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL), quiet=True), kv_cache_config=config)
 
@@ -336,7 +347,8 @@ CONSUMERS = {
     "ConvertConfig": [use_convert_cli, use_checkpoint_in_build_file], "Mapping": [use_mapping],
     "ParallelConfig": [use_parallel_config], "PretrainedConfig": [use_pretrained_config],
     "QuantConfig": [use_quant_config], "KvCacheConfig": [use_kv_cache_config],
-    "LoraCacheConfig": [use_lora_cache_config], "SamplingConfig": [use_sampling_config],
+    "LoraCacheConfig": [use_lora_cache_config], "SpeculativeConfig": [use_speculative_config],
+    "SamplingConfig": [use_sampling_config],
     "ServerConfig": [use_server_config], "ModelSection": [use_model_section], "BuildFile": [use_build_file],
 }
 NAMED_CONSUMERS = {"serve": serve_parallel_config, "refit": refit_build_config}

@@ -412,7 +412,7 @@ def test_health_and_metrics(base):
     assert metric(base, "kiln_time_to_first_token_seconds_count") == ttft + 1
     for name in ("kiln_time_per_output_token_seconds_count", "kiln_e2e_request_latency_seconds_count",
                  "kiln_prompt_tokens_total", "kiln_kv_blocks_total", "kiln_requests_waiting",
-                 "kiln_prefix_cache_hit_rate"):
+                 "kiln_prefix_cache_hit_rate", "kiln_spec_draft_tokens", "kiln_spec_mean_accepted_length"):
         metric(base, name)
     assert metric(base, "kiln_requests_total", '{route="/v1/completions",status="200"}') >= 1
     assert metric(base, "kiln_requests_total", '{route="/v1/completions",status="401"}') >= 1

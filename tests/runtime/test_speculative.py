@@ -1,0 +1,241 @@
+"""Speculative decoding (issue 30, the CPU path): with n-gram lookup and with a draft model, greedy tokens equal
+decoding without drafts — on SmolLM2's real weights and on tiny Llama/Mixtral models, alone and in batches that mix
+requests that speculate with requests that do not, with chunked context, block reuse and preemption. The rejection
+sampling keeps the model's distribution (chi-square, a draft distribution unlike the model's); the KV blocks of
+rejected drafts go back to the pool; stop strings, logprobs, streaming and n work as without drafts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from kiln import LLM, BuildConfig, SamplingConfig, SpeculativeConfig
+from kiln.config import KvCacheConfig, PluginConfig, SchedulerPolicy
+from kiln.runtime import sampler
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.request import Request
+from kiln.runtime.scheduler import SampledToken, Scheduler
+from kiln.runtime.speculative import lookup
+
+BUILD = dict(max_batch_size=8, max_input_len=96, max_seq_len=160)
+NGRAM = SpeculativeConfig(max_draft_len=4)
+# prompts that repeat themselves (lookup finds matches) and one that does not
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(40, 90)), [72, 101, 108, 108, 111] * 6,
+           list(range(100, 109))]
+
+
+def _llm(model, speculative=None, build=None, **kwargs) -> LLM:
+    return LLM(model, build_config=BuildConfig(**(build or BUILD)), quiet=True, device="cpu",
+               speculative_config=speculative, **kwargs)
+
+
+def _tokens(llm, prompts, sampling) -> list[list[int]]:
+    sampling = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    return [out.token_ids for out in llm.generate(prompts, sampling)]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A tiny Llama of other weights than the target's (seed 1): a draft model that is often wrong."""
+    path = tmp_path_factory.mktemp("draft") / "llama"
+    save_tiny_model("llama", path, seed=1)
+    return path
+
+
+def test_lookup_proposes_what_followed_the_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert lookup(tokens, range(3, 0, -1), 4) == [7, 5, 1, 2]      # the latest earlier "1 2 3"
+    assert lookup(tokens, range(3, 0, -1), 1) == [7]
+    assert lookup([4, 5, 6], range(2, 0, -1), 3) == []
+    assert lookup([4, 5, 4], range(2, 0, -1), 3) == [5, 4]           # the 1-gram "4", when "5 4" has no match
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_tokens_equal_decoding_without_drafts(tiny_models, draft_dir, model, method):
+    hf_dir = tiny_models[model][0]
+    greedy = SamplingConfig(max_new_tokens=40, end_id=-1)
+    with _llm(hf_dir) as llm:
+        plain = _tokens(llm, PROMPTS, greedy)
+    config = NGRAM if method == "ngram" else SpeculativeConfig(method="draft_model", max_draft_len=3,
+                                                               speculative_model=str(draft_dir))
+    if model == "mixtral" and method == "draft_model":
+        config = SpeculativeConfig(method="draft_model", max_draft_len=3, speculative_model=str(hf_dir))
+    with _llm(hf_dir, config) as llm:
+        assert _tokens(llm, PROMPTS, greedy) == plain
+        assert [_tokens(llm, [p], greedy)[0] for p in PROMPTS] == plain          # each alone
+        stats = llm.stats()
+        assert stats["draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+        if config.speculative_model == str(hf_dir):                               # the model drafts for itself
+            assert stats["draft_acceptance_rate"] == 1.0
+
+
+def test_smollm2_copies_a_text_with_drafts_and_the_same_tokens(smollm2_model):
+    from kiln.utils.default_model import default_model_path
+
+    build = dict(max_batch_size=4, max_input_len=256, max_seq_len=320)
+    text = ("Kiln turns pretrained language models into fast inference engines for NVIDIA GPUs, with a CPU path so "
+            "that everything also runs on a laptop.")
+    with _llm(smollm2_model, build=build) as llm:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Repeat this text exactly:\n\n" + text}], tokenize=False,
+            add_generation_prompt=True)
+        greedy = SamplingConfig(max_new_tokens=40)
+        plain = llm.generate(prompt, greedy)
+    for config in (NGRAM, SpeculativeConfig(method="draft_model", max_draft_len=3,
+                                            speculative_model=str(default_model_path()))):
+        with _llm(smollm2_model, config, build=build) as llm:
+            out = llm.generate(prompt, greedy)
+            assert out.token_ids == plain.token_ids and out.text == plain.text
+            assert out.metrics.mean_accepted_length > 1.5, out.metrics
+
+
+def test_speculating_and_plain_requests_share_steps_with_chunks_reuse_and_preemption(tiny_models):
+    """Greedy requests speculate while requests with penalties and n = 2 sampling run beside them without
+    drafts; prompts are chunked, share cached prefixes, and the pool is small enough that MAX_UTILIZATION
+    preempts."""
+    hf_dir = tiny_models["llama"][0]
+    prompts = PROMPTS + [PROMPTS[1][:40] + [7, 7], PROMPTS[2] + [3]]
+    configs = [SamplingConfig(max_new_tokens=30, end_id=-1)] * 4 + [
+        SamplingConfig(max_new_tokens=30, end_id=-1, repetition_penalty=1.3),
+        SamplingConfig(max_new_tokens=30, end_id=-1, n=2, temperature=0.8, random_seed=3)]
+    options = dict(enable_chunked_context=True, scheduling_policy=SchedulerPolicy.MAX_UTILIZATION,
+                   kv_cache_config=KvCacheConfig(max_tokens=8 * 32, enable_block_reuse=True),
+                   build=dict(BUILD, max_num_tokens=40, plugin_config=PluginConfig(tokens_per_block=8)))
+    build = options.pop("build")
+    with LLM(hf_dir, build_config=BuildConfig(**build), quiet=True, device="cpu", **options) as llm:
+        plain = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, configs)]
+    with LLM(hf_dir, build_config=BuildConfig(**build), quiet=True, device="cpu", speculative_config=NGRAM,
+             **options) as llm:
+        outs = llm.generate(prompts, configs)
+        # greedy requests give the same tokens; sampled ones draw from logits whose last bits depend on the batch
+        assert [[o.token_ids for o in out.outputs] for out in outs[:5]] == plain[:5]
+        assert [len(o.token_ids) for o in outs[5].outputs] == [30, 30]
+        stats = llm.stats()
+        assert stats["preemptions"] > 0 and stats["draft_tokens"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+        assert outs[4].metrics.num_draft_tokens == outs[5].metrics.num_draft_tokens == 0   # penalties, n = 2
+        assert stats["kv_blocks_used"] == 0
+
+
+def test_stop_strings_logprobs_and_streaming(tiny_models):
+    hf_dir = tiny_models["llama"][0]
+    prompt = PROMPTS[3]
+    with _llm(hf_dir) as llm:
+        full = llm.generate(prompt, SamplingConfig(max_new_tokens=30, end_id=-1))
+        stop = full.text[17:19]                                        # a string that ends a few tokens later
+        assert len(stop) == 2
+        cases = [SamplingConfig(max_new_tokens=30, end_id=-1, stop=[stop]),
+                 SamplingConfig(max_new_tokens=30, end_id=-1, logprobs=2)]
+        plain = llm.generate([prompt] * 2, cases)
+    with _llm(hf_dir, NGRAM) as llm:
+        spec = llm.generate([prompt] * 2, cases)
+        assert spec[0].text == plain[0].text and spec[0].token_ids == plain[0].token_ids
+        assert spec[0].finish_reason == "stop" and len(spec[0].token_ids) < 30
+        assert spec[1].token_ids == plain[1].token_ids and spec[1].metrics.num_accepted_draft_tokens > 0
+        for a, b in zip(spec[1].logprobs, plain[1].logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top.keys() == b.top.keys()
+        deltas = list(llm.generate_async(prompt, SamplingConfig(max_new_tokens=30, end_id=-1), streaming=True))
+        assert [t for d in deltas for t in d.token_ids_diff] == full.token_ids
+        assert max(len(d.token_ids_diff) for d in deltas) > 1                 # several tokens in one delta
+        assert "".join(d.text_diff for d in deltas) == full.text
+
+
+def test_abort_during_speculation_frees_everything(tiny_models):
+    with _llm(tiny_models["llama"][0], NGRAM) as llm:
+        result = llm.generate_async(PROMPTS[0], SamplingConfig(max_new_tokens=60, end_id=-1), streaming=True)
+        for out in result:
+            if len(out.token_ids) >= 5:
+                result.abort()
+        assert result.result().finish_reason == "abort"
+        assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["running_requests"] == 0
+
+
+def test_rejected_drafts_give_back_their_blocks():
+    """A sequence's drafts reach into two new blocks; one draft is accepted: the block that held only rejected
+    drafts returns to the pool, and the next token's slot stays."""
+    kv = KVCacheManager(8, 4)
+    scheduler = Scheduler(kv, 4, 64)
+    request = Request(1, [1, 2, 3], SamplingConfig(max_new_tokens=20, end_id=-1))
+    scheduler.add_request(request)
+    scheduler.update(scheduler.schedule(), _tokens_out(request, [9]))              # prompt computed, token 9
+    seq = request.seqs[0]
+    seq.draft_ids = [4, 5, 6, 7, 8]                                                  # positions 4..8: blocks 1, 2
+    out = scheduler.schedule()
+    assert out.scheduled[0][2] == 6 and len(seq.block_ids) == 3 and kv.num_free_blocks == 5
+    result = _tokens_out(request, [])
+    result.speculated[request.request_id] = [SampledToken(0, 4), SampledToken(0, 11)]   # 4 accepted, then 11
+    scheduler.update(out, result)
+    assert seq.token_ids == [1, 2, 3, 9, 4, 11] and seq.num_computed_tokens == 5 and not seq.draft_ids
+    assert len(seq.block_ids) == 2 and kv.num_free_blocks == 6
+    assert request.num_draft_tokens == 5 and request.num_accepted_draft_tokens == 1
+
+
+def _tokens_out(request, tokens):
+    from kiln.runtime.scheduler import ModelStepOutput
+
+    out = ModelStepOutput()
+    if tokens:
+        out.tokens[request.request_id] = [SampledToken(0, t) for t in tokens]
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["one-hot", "distribution"])
+def test_rejection_sampling_keeps_the_models_distribution(drafter):
+    """The first token emitted after a draft drawn from q (deliberately unlike the model's p) follows p: a
+    chi-square test over 6,000 draws (p-value > 0.001), and drafts p favours are accepted more often."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 12
+    logits = torch.randn(2, vocab, generator=g) * 1.5               # the model's rows: after the token, after d
+    q = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)        # the drafter's distribution
+    p = torch.softmax(logits[0], -1)
+    request = Request(1, [1], SamplingConfig(max_new_tokens=8, temperature=1.0, end_id=-1))
+    seq = request.seqs[0]
+    counts, accepted = torch.zeros(vocab), 0
+    for _ in range(6000):
+        draft = int(torch.multinomial(q, 1, generator=g)) if drafter == "distribution" else 3
+        seq.draft_ids, seq.draft_probs = [draft], (q[None] if drafter == "distribution" else None)
+        emitted = sampler.verify_drafts(logits, request, seq, g, normalize_log_probs=False)
+        counts[emitted[0][0]] += 1
+        accepted += len(emitted) == 2
+    expected = p * counts.sum()
+    keep = expected >= 5                                              # rare tokens pooled into one bin
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]]) if (~keep).any() else counts
+    wanted = torch.cat([expected[keep], expected[~keep].sum()[None]]) if (~keep).any() else expected
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    pvalue = float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2), torch.tensor(statistic / 2)))
+    assert pvalue > 1e-3, (statistic, observed, wanted)
+    rate = accepted / 6000
+    overlap = float(torch.minimum(p, q).sum()) if drafter == "distribution" else float(p[3])
+    assert rate == pytest.approx(overlap, abs=0.03)                   # P(accept) = Σ min(p, q)
+
+
+def test_speculative_options_are_checked(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="choose one of ngram, draft_model"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="speculative_model is the draft model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="min_matching_ngram_size=3 exceeds"):
+        SpeculativeConfig(min_matching_ngram_size=3, max_matching_ngram_size=2)
+    hf_dir = tiny_models["llama"][0]
+    with _llm(hf_dir) as llm:
+        llm.save(tmp_path / "engine")                                 # built with max_draft_len 0
+    with pytest.raises(ValueError, match="built with max_draft_len=0"):
+        LLM(str(tmp_path / "engine"), device="cpu", quiet=True, speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="vocabulary has 49152 tokens"):
+        from kiln.utils.default_model import default_model_path
+
+        _llm(hf_dir, SpeculativeConfig(method="draft_model", speculative_model=str(default_model_path())))
+
+
+def test_kiln_run_speculates_and_prints_the_same_text(tiny_models, capsys):
+    from kiln.cli.main import main
+
+    base = ["run", "--model_dir", str(tiny_models["llama"][0]), "--max_new_tokens", "24", "--no_chat_template",
+            "--device", "cpu", "ghghghghghghgh"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base[:1] + ["--speculative_method", "ngram", "--max_draft_len", "3"] + base[1:]) == 0
+    assert capsys.readouterr().out == plain
+    assert main(base[:1] + ["--speculative_model", "x"] + base[1:]) == 2
+    assert "--speculative_model needs --speculative_method draft_model" in capsys.readouterr().err
