@@ -21,6 +21,9 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   lora        8 random adapters of rank 16 on all seven projections, on an engine with lora_plugin (bf16): batch-1
               decode with one adapter and without, 128/128 throughput over --requests requests spread evenly over
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
+  speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
+              probability 1 - alpha), k = 4, bf16: batch-1 tok/s at alpha 0.5..1.0 against decoding without drafts,
+              and batch 64 (128/128) with drafts at alpha 0.8 and without
 --profile writes torch profiler tables to $OUT: the latency phase's decode steps, and after each throughput run
 a batch of --max_batch prompts generating 8 tokens.
 """
@@ -95,7 +98,7 @@ def checks(args):
 
 
 def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_batch: int,
-               quant: QuantConfig | None = None, lora: bool = False, **kwargs) -> LLM:
+               quant: QuantConfig | None = None, lora: bool = False, max_draft_len: int = 0, **kwargs) -> LLM:
     """A random engine of args.model's shape, loaded: its weights made on the GPU a layer at a time, kernels
     compiled, graphs captured (`lora`: with its LoRA adapter slots reserved). Logs the seconds from nothing to the
     ready LLM."""
@@ -103,6 +106,7 @@ def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_b
     build = bench.default_bench_build(mode, input_len, output_len, max_batch)
     if lora:
         build.plugin_config.lora_plugin = "auto"
+    build.max_draft_len = max_draft_len
     engine = bench.random_engine(args.model, "bfloat16", build, quant_config=quant)
     llm = LLM(engine, kv_cache_config=bench.default_kv_config(), device="cuda", quiet=True, **kwargs)
     log(f"{key}_engine_ready_s", round(time.time() - start, 1))
@@ -270,6 +274,33 @@ def lora(args):
     workdir.cleanup()
 
 
+@phase
+def speculative(args):
+    """Speculative decoding with the acceptance-controlled drafter (k = 4): batch 1 at alpha 0.5..1.0 against
+    decoding without drafts, then batch 64."""
+    alphas = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    with _ready_llm(args, "spec_latency", "latency", 128, 256, 1, max_draft_len=4) as llm:
+        vocab = llm.engine.pretrained_config.vocab_size
+        bench.run_requests(llm, bench.random_prompts(1, 128, vocab, seed=9), 16)                      # warm
+        prompts = bench.random_prompts(1, 128, vocab, seed=1)
+        plain = None
+        for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, 256, [1.0] + alphas, 4):
+            rate = sum(len(o.token_ids) for o in outputs) / seconds
+            plain = plain or rate
+            log(f"spec_bs1_{'plain' if alpha is None else f'alpha_{alpha}'}_tok_s", round(rate, 1))
+            if alpha is not None:
+                log(f"spec_bs1_alpha_{alpha}_speedup", round(rate / plain, 2))
+    gc.collect()
+    torch.cuda.empty_cache()
+    with _ready_llm(args, "spec_batch64", "throughput", 128, 128, 64, max_draft_len=4) as llm:
+        vocab = llm.engine.pretrained_config.vocab_size
+        prompts = bench.random_prompts(64, 128, vocab, seed=3)
+        bench.run_requests(llm, bench.random_prompts(64, 128, vocab, seed=4), 16)                     # warm
+        for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, 128, [0.8, 0.8], 4):
+            log(f"spec_batch64_{'plain' if alpha is None else 'alpha_0.8'}_out_tok_s",
+                round(sum(len(o.token_ids) for o in outputs) / seconds, 1))
+
+
 LOAD_CHILD = """
 import json, os, sys, time
 if sys.argv[2] == "cold":                     # the engine's files out of the page cache: a first read from disk
@@ -342,7 +373,7 @@ def quant(args):
                     fp8)
 
 
-PHASES = {"checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+PHASES = {"speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
           "lora": lora}
 
 

@@ -354,3 +354,44 @@ def default_bench_build(mode: str, input_len: int, output_len: int, max_batch_si
 
 def default_kv_config() -> KvCacheConfig:
     return KvCacheConfig(free_gpu_memory_fraction=0.9)
+
+
+class AcceptanceDrafter:
+    """A drafter for random-weight shapes, whose own drafts would never be accepted: it proposes the model's
+    greedy continuation of each prompt (recorded by a run without drafts), each token replaced by another with
+    probability 1 − alpha, so the acceptance rate is alpha per token and the mechanism's speed can be measured."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], alpha: float, max_draft_len: int, vocab: int,
+                 seed: int = 0):
+        self.continuations, self.alpha, self.max_draft_len, self.vocab = continuations, alpha, max_draft_len, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, batch) -> None:
+        for request, seq, k in batch:
+            at = seq.num_output_tokens
+            drafts = self.continuations[tuple(request.prompt_token_ids)][at:at + k]
+            seq.draft_ids = [d if self.rng.random() < self.alpha else (d + 1 + self.rng.randrange(self.vocab - 1))
+                             % self.vocab for d in drafts]
+            seq.draft_probs = None
+
+    def release(self, request) -> None:
+        pass
+
+
+def speculative_runs(llm, prompts: list[list[int]], output_len: int, alphas: list[float], max_draft_len: int):
+    """Greedy requests without drafts (recording the continuations), then with an AcceptanceDrafter at each alpha;
+    yields (alpha or None, outputs, seconds). Every run's tokens must equal the first's (lossless), else
+    RuntimeError."""
+    outputs, seconds = run_requests(llm, prompts, output_len)
+    yield None, outputs, seconds
+    continuations = {tuple(o.prompt_token_ids): o.token_ids for o in outputs}
+    vocab = llm.engine.pretrained_config.vocab_size
+    try:
+        for alpha in alphas:
+            llm.core.set_drafter(AcceptanceDrafter(continuations, alpha, max_draft_len, vocab))
+            drafted, seconds = run_requests(llm, prompts, output_len)
+            if [o.token_ids for o in drafted] != [o.token_ids for o in outputs]:
+                raise RuntimeError(f"speculative decoding at alpha={alpha} changed the greedy tokens")
+            yield alpha, drafted, seconds
+    finally:
+        llm.core.set_drafter(None)

@@ -163,6 +163,11 @@ def _bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
     p.add_argument("--baseline", choices=("hf",), help="also run transformers generate on the same shape")
+    p.add_argument("--speculative", type=float, nargs="+", metavar="ALPHA",
+                   help="also run with speculative decoding: an acceptance-controlled drafter proposes the model's "
+                        "own greedy continuation with each token corrupted with probability 1 - ALPHA (one run per "
+                        "ALPHA; the tokens must not change); with --model, the engine is built for --max_draft_len")
+    p.add_argument("--max_draft_len", type=int, default=4, help="with --speculative: draft tokens per step")
     p.set_defaults(handler=cmd_bench)
 
 
@@ -527,6 +532,7 @@ def cmd_bench(args) -> None:
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
         build_config.plugin_config.use_custom_all_reduce = args.use_custom_all_reduce
+        build_config.max_draft_len = args.max_draft_len if args.speculative else 0
         if args.quantize_lm_head and not args.quant_algo:
             raise ValueError("--quantize_lm_head needs --quant_algo (the LM head is quantized like the other layers)")
         quant_config = QuantConfig(quant_algo=args.quant_algo, kv_cache_quant_algo=args.kv_cache_quant_algo,
@@ -554,6 +560,8 @@ def cmd_bench(args) -> None:
             outputs, elapsed = bench.run_requests(llm, prompts, args.output_len, args.request_rate)
             result = bench.summarize("throughput", name, dtype, outputs, elapsed, args.input_len, args.output_len)
             bench.throughput_limit_pct(result, engine, hw)
+        if args.speculative:
+            _bench_speculative(llm, args, vocab, engine.build_config.max_batch_size)
     print(bench.to_json(result) if args.json else result.table())
     if args.plot:
         _plot(outputs, args.plot)
@@ -565,6 +573,23 @@ def cmd_bench(args) -> None:
         base = bench.hf_baseline(args.model, model_dtype, batch, args.input_len, args.output_len, str(device))
         print(json.dumps(base) if args.json else f"transformers baseline (batch {batch}): "
                                                  f"{base['output_tok_s']:,.1f} output tok/s")
+
+
+def _bench_speculative(llm, args, vocab: int, max_batch: int) -> None:
+    """Output tok/s of a batch of greedy requests without drafts and with the acceptance-controlled drafter at each
+    --speculative ALPHA (batch 1 in latency mode), one JSON line each."""
+    from kiln import benchmark as bench
+
+    count = 1 if args.mode == "latency" else min(args.num_requests, max_batch)
+    prompts = bench.random_prompts(count, args.input_len, vocab, seed=7)
+    plain = None
+    for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, args.output_len, args.speculative,
+                                                          args.max_draft_len):
+        rate = sum(len(o.token_ids) for o in outputs) / seconds
+        plain = plain or rate
+        stats = {"draft_acceptance": alpha, "batch": count, "max_draft_len": args.max_draft_len,
+                 "output_tok_s": round(rate, 1), "speedup": round(rate / plain, 2)}
+        print(json.dumps(stats))
 
 
 def _bench_device(args):

@@ -124,3 +124,89 @@ class CudaGraphs:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[size, long, lora].replay()
         return self.logits[size, long, lora][:n]
+
+
+VERIFY_MAX_BATCH = 64   # speculative steps of more sequences run without graphs (their weights are read once anyway)
+
+
+class VerifyGraphs:
+    """CUDA graphs for speculative steps: B sequences that each compute q = k + 1 tokens (their last token and k
+    drafts), for each batch bucket B up to VERIFY_MAX_BATCH and each k in 1..max_draft_len; a graph returns the
+    logits of every row. Padded sequences compute q tokens written nowhere, over keys of block 0 they only read."""
+
+    def __init__(self, net, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
+                 tokens_per_block: int, max_draft_len: int):
+        device = kv_caches[0].device
+        self.net, self.kv_caches = net, kv_caches
+        self.sizes = bucket_sizes(min(max_batch, VERIFY_MAX_BATCH))
+        self.max_q, self.width, self.tokens_per_block = max_draft_len + 1, max_blocks_per_seq, tokens_per_block
+        b, t = self.sizes[-1], self.sizes[-1] * self.max_q
+        # [input_ids | positions | slots (t each) | seq_lens (b) | block_tables (b × width)]
+        self.tables_at = 3 * t + b
+        self.device_buffer = torch.zeros(self.tables_at + b * self.width, dtype=torch.int64, device=device)
+        self.host_buffers = [torch.zeros_like(self.device_buffer, device="cpu").pin_memory() for _ in range(2)]
+        self.turn = 0
+        self.input_ids, self.positions, self.slots = self.device_buffer[:3 * t].view(3, t)
+        self.seq_lens = self.device_buffer[3 * t:self.tables_at]
+        self.block_tables = self.device_buffer[self.tables_at:].view(b, self.width)
+        self.starts = {q: torch.arange(b + 1, dtype=torch.int64, device=device) * q for q in range(2, self.max_q + 1)}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # (size, q) → graph
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            for q in range(2, self.max_q + 1):
+                self._capture(size, q)
+
+    def takes(self, step) -> bool:
+        """Whether a step is one of the graphs': every sequence computes the same 2..max_q tokens, few enough."""
+        starts, count = step.query_start_loc, len(step.seq_lens)
+        q = step.max_query_len
+        return (1 < q <= self.max_q and count <= self.sizes[-1] and starts[-1] == q * count
+                and step.lora_slots is None)
+
+    def _forward(self, size: int, q: int) -> torch.Tensor:
+        t = size * q
+        meta = AttentionMetadata(self.slots[:t], self.starts[q][:size + 1], self.seq_lens[:size],
+                                 self.block_tables[:size], max_query_len=q,
+                                 max_seq_len=self.width * self.tokens_per_block, tokens_per_block=self.tokens_per_block)
+        hidden = self.net(self.input_ids[:t], self.positions[:t], meta, self.kv_caches)
+        return self.net.compute_logits(hidden, float32=False)
+
+    def _capture(self, size: int, q: int) -> None:
+        self.seq_lens[:size] = q                            # warm-up inputs: q tokens at positions 0..q-1, unwritten
+        self.positions[:size * q] = torch.arange(q, device=self.positions.device).repeat(size)
+        self.slots[:size * q] = -1
+        for _ in range(2):
+            self._forward(size, q)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[size, q] = self._forward(size, q)
+        self.graphs[size, q] = graph
+
+    def run(self, step, fill=None) -> torch.Tensor:
+        """The logits of step.logit_rows (in the model's dtype) from the (bucket, q) graph."""
+        n, q, t_max = len(step.seq_lens), step.max_query_len, self.sizes[-1] * self.max_q
+        size = bucket_of(self.sizes, n)
+        tokens, padded = n * q, size * q
+        self.turn ^= 1
+        host_buffer = self.host_buffers[self.turn]
+        host = host_buffer.numpy()
+        host[0:tokens], host[t_max:t_max + tokens], host[2 * t_max:2 * t_max + tokens] = (
+            step.input_ids, step.positions, step.slot_mapping)
+        host[tokens:padded] = 0
+        host[t_max + tokens:t_max + padded] = list(range(q)) * (size - n)      # padded sequences: positions 0..q-1,
+        host[2 * t_max + tokens:2 * t_max + padded] = -1                       # written nowhere
+        host[3 * t_max:3 * t_max + n] = step.seq_lens
+        host[3 * t_max + n:3 * t_max + size] = q
+        table = host[self.tables_at:].reshape(self.sizes[-1], self.width)
+        table[:size] = 0
+        for row, blocks in enumerate(step.block_tables):
+            table[row, :len(blocks)] = blocks
+        used = self.tables_at + size * self.width
+        self.device_buffer[:used].copy_(host_buffer[:used], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
+        self.graphs[size, q].replay()
+        rows = torch.tensor(step.logit_rows, dtype=torch.int64).to(self.device_buffer.device, non_blocking=True)
+        return self.logits[size, q][rows]

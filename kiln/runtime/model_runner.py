@@ -89,7 +89,7 @@ class ModelRunner:
         self.gather_generation_logits = build.gather_generation_logits
         self.max_decode_batch = build.max_batch_size * build.max_beam_width
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs = None
+        self.graphs = self.verify_graphs = None    # CUDA graphs of one-token steps, of speculative steps
         self.kernel_dir = None
         if device.type == "cuda" and engine.kernel_cache:
             self.kernel_dir = install(engine.kernel_cache)
@@ -123,13 +123,17 @@ class ModelRunner:
         pipelined = self.parallel is not None and self.config.mapping.pp_size > 1
         if self.device.type != "cuda" or self.net.ops.name != "triton" or pipelined:
             return
-        from .cuda_graphs import CudaGraphs
+        from .cuda_graphs import CudaGraphs, VerifyGraphs
         try:
             with torch.inference_mode():
                 stacks = list(self.lora.stacks.values())
                 lora_slots = self.lora.max_loras if stacks and all(map(self.net.ops.lora_in_graphs, stacks)) else 0
                 self.graphs = CudaGraphs(self.net, self.kv_caches, self.max_decode_batch, self.max_blocks_per_seq,
                                          self.tokens_per_block, self._parts, self.net.ops.long_context, lora_slots)
+                if self.max_draft_len and self.parallel is None:
+                    self.verify_graphs = VerifyGraphs(self.net, self.kv_caches, self.max_decode_batch,
+                                                      self.max_blocks_per_seq, self.tokens_per_block,
+                                                      self.max_draft_len)
         except RuntimeError as err:
             if self.parallel is None:
                 raise
@@ -293,6 +297,9 @@ class ModelRunner:
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                                    step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill,
                                    lora_slots=step.lora_slots)
+        if self.verify_graphs is not None and step.max_query_len > 1 and self.verify_graphs.takes(step):
+            self._copy_blocks(step.block_copies)
+            return self.verify_graphs.run(step, fill)
         if self.parallel is not None and self.config.mapping.pp_size > 1:
             return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)
@@ -467,7 +474,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give back the device memory: the network's weights, the KV cache, the graphs and their pools."""
-        self.graphs, self.net, self.kv_caches = None, None, []
+        self.graphs, self.verify_graphs, self.net, self.kv_caches = None, None, None, []
         self.lora.close()
         self.generators.clear()
         self.last_logits.clear()

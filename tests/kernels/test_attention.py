@@ -1,5 +1,6 @@
 """The attention kernels against the torch reference on fresh random inputs, compiled on the GPU (`pytest -m gpu`
-and the sweep `-m gpu_slow`, skipped without one): paged attention (prompts, chunks, decode steps, split-K
+and the sweep `-m gpu_slow`, skipped without one): paged attention (prompts, chunks, decode steps, speculative
+steps of a few tokens per sequence, split-K
 partitions, sliding windows, 8-bit caches), the fused decode kernel (rope, cache write, attention and the merge in
 one; also under Triton's interpreter on the CPU, marker `interpreter`: in the process tests/kernels/
 test_interpreter.py starts) and the mma.sync decode kernel over 8-bit caches (Gluon and inline PTX: the GPU only)."""
@@ -44,7 +45,8 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
     from kiln.kernels.triton.paged_attention import paged_attention
 
     cases = {"decode": [(1, 1), (37, 1), (1000, 1), (8191, 1), (4099, 1)],
-             "prefill": [(0, 1), (0, 77), (0, 513), (300, 45), (33, 200)]}
+             "prefill": [(0, 1), (0, 77), (0, 513), (300, 45), (33, 200)],
+             "verify": [(36, 5), (1000, 5), (4094, 5), (7, 2), (511, 4)]}      # a last token and its drafts
     for name, seqs in cases.items():
         for window in (None, 100):
             q, cache, meta = _paged_case(seqs, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads + block)
