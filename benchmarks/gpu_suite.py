@@ -284,21 +284,33 @@ def speculative(args):
         bench.run_requests(llm, bench.random_prompts(1, 128, vocab, seed=9), 16)                      # warm
         prompts = bench.random_prompts(1, 128, vocab, seed=1)
         plain = None
-        for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, 256, [1.0] + alphas, 4):
+        for alpha, outputs, seconds, same in bench.speculative_runs(llm, prompts, 256, alphas, 4):
             rate = sum(len(o.token_ids) for o in outputs) / seconds
             plain = plain or rate
-            log(f"spec_bs1_{'plain' if alpha is None else f'alpha_{alpha}'}_tok_s", round(rate, 1))
+            key = "spec_bs1_" + ("plain" if alpha is None else f"alpha_{alpha}")
+            log(f"{key}_tok_s", round(rate, 1))
             if alpha is not None:
-                log(f"spec_bs1_alpha_{alpha}_speedup", round(rate / plain, 2))
+                log(f"{key}_speedup", round(rate / plain, 2))
+                log(f"{key}_accepted", round(_mean(o.metrics.draft_acceptance_rate for o in outputs), 3))
+                log(f"{key}_mean_length", round(_mean(o.metrics.mean_accepted_length for o in outputs), 2))
+                log(f"{key}_same_tokens", round(same, 3))
     gc.collect()
     torch.cuda.empty_cache()
     with _ready_llm(args, "spec_batch64", "throughput", 128, 128, 64, max_draft_len=4) as llm:
         vocab = llm.engine.pretrained_config.vocab_size
         prompts = bench.random_prompts(64, 128, vocab, seed=3)
         bench.run_requests(llm, bench.random_prompts(64, 128, vocab, seed=4), 16)                     # warm
-        for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, 128, [0.8, 0.8], 4):
-            log(f"spec_batch64_{'plain' if alpha is None else 'alpha_0.8'}_out_tok_s",
-                round(sum(len(o.token_ids) for o in outputs) / seconds, 1))
+        for alpha, outputs, seconds, same in bench.speculative_runs(llm, prompts, 128, [0.8], 4):
+            key = "spec_batch64_" + ("plain" if alpha is None else "alpha_0.8")
+            log(f"{key}_out_tok_s", round(sum(len(o.token_ids) for o in outputs) / seconds, 1))
+            if alpha is not None:
+                log(f"{key}_accepted", round(_mean(o.metrics.draft_acceptance_rate for o in outputs), 3))
+                log(f"{key}_same_tokens", round(same, 3))
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else 0.0
 
 
 LOAD_CHILD = """

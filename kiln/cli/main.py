@@ -583,12 +583,12 @@ def _bench_speculative(llm, args, vocab: int, max_batch: int) -> None:
     count = 1 if args.mode == "latency" else min(args.num_requests, max_batch)
     prompts = bench.random_prompts(count, args.input_len, vocab, seed=7)
     plain = None
-    for alpha, outputs, seconds in bench.speculative_runs(llm, prompts, args.output_len, args.speculative,
-                                                          args.max_draft_len):
+    for alpha, outputs, seconds, same in bench.speculative_runs(llm, prompts, args.output_len, args.speculative,
+                                                                args.max_draft_len):
         rate = sum(len(o.token_ids) for o in outputs) / seconds
         plain = plain or rate
         stats = {"draft_acceptance": alpha, "batch": count, "max_draft_len": args.max_draft_len,
-                 "output_tok_s": round(rate, 1), "speedup": round(rate / plain, 2)}
+                 "output_tok_s": round(rate, 1), "speedup": round(rate / plain, 2), "same_tokens": round(same, 3)}
         print(json.dumps(stats))
 
 
