@@ -362,8 +362,11 @@ class ModelRunner:
         requests = list({id(r): r for r, _, _ in out.scheduled}.values())
         if launch is not None and launch.draft_rows:
             drafted = [r for r in requests if r.seqs and r.seqs[0].seq_id in launch.draft_rows]
+            plain = [r for r in drafted if sampler.plain_greedy(r, r.seqs[0])]
+            self._verify_greedy(plain, launch, row_of, result)
             for request in drafted:
-                self._verify(request, launch, row_of, result)
+                if request not in plain:
+                    self._verify(request, launch, row_of, result)
             requests = [r for r in requests if r not in drafted]
         simple = [r for r in requests if self._simple(r, row_of)]
         if simple:                                    # batched greedy: one argmax, one copy to the host
@@ -408,6 +411,25 @@ class ModelRunner:
                 result.tokens[request.request_id] = self._choose(request, own)
         except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
             self._fail(request, err, result)
+
+    def _verify_greedy(self, requests: list[Request], launch: Launch, row_of: dict[int, int],
+                       result: ModelStepOutput) -> None:
+        """verify_drafts for greedy requests that need nothing but the argmax: one argmax over all their rows, one
+        copy to the host."""
+        if not requests:
+            return
+        order = []
+        for request in requests:
+            seq = request.seqs[0]
+            first, end = launch.draft_rows[seq.seq_id]
+            order += list(range(first, end)) + [row_of[seq.seq_id]]
+        picks = self.net.ops.argmax_rows(launch.logits[self._tensor(order)]).tolist()
+        at = 0
+        for request in requests:
+            drafts = request.seqs[0].draft_ids
+            mine, at = picks[at:at + len(drafts) + 1], at + len(drafts) + 1
+            accepted = next((i for i, (d, t) in enumerate(zip(drafts, mine)) if d != t), len(drafts))
+            result.speculated[request.request_id] = [SampledToken(0, t) for t in drafts[:accepted] + [mine[accepted]]]
 
     def _verify(self, request: Request, launch: Launch, row_of: dict[int, int], result: ModelStepOutput) -> None:
         """The tokens a speculative step emits for the request's sequence (sampler.verify_drafts)."""

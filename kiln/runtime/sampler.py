@@ -122,6 +122,14 @@ def beam_candidates(rows: torch.Tensor, request: Request, keep: int) -> list[Can
             for v, i in zip(values.tolist(), flat.tolist())]
 
 
+def plain_greedy(request: Request, seq: Sequence) -> bool:
+    """Whether verifying a sequence's drafts needs only each row's argmax: greedy, no log-probabilities, and no
+    stop token to suppress (min_tokens) at any of its positions."""
+    sampling = request.sampling
+    return (sampling.greedy and sampling.logprobs is None
+            and (seq.num_output_tokens >= sampling.min_tokens or not request.stop_ids))
+
+
 def verify_drafts(rows: torch.Tensor, request: Request, seq: Sequence, generator: torch.Generator | None,
                   normalize_log_probs: bool) -> list[tuple[int, TokenLogprob | None]]:
     """The tokens a speculative step emits for `seq`: rows (k+1, V) are the model's logits after its last token
