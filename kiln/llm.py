@@ -356,6 +356,26 @@ class LLM:
         weights = self.engine.refit_source(source)                 # rank 0's share, checked here
         self._executor.run_when_idle(lambda: self.core.refit(self.engine, weights, source))
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None, use_tqdm: bool | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None):
+        """The assistant's reply to a conversation (a list of {"role", "content"} messages) → one GenerationOutput,
+        or to each of a list of conversations → a list; the prompt is the tokenizer's chat template with the
+        assistant's turn opened. The other arguments are generate's."""
+        single = isinstance(messages, Sequence) and len(messages) > 0 and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        if not conversations or isinstance(messages, str):
+            conversations = [None]                          # refused below
+        for conversation in conversations:
+            if (not isinstance(conversation, Sequence) or not conversation
+                    or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in conversation)):
+                raise ValueError("chat takes a conversation — a non-empty list of {'role': str, 'content': str} "
+                                 "messages — or a list of them")
+        outputs = self.generate([self.apply_chat_template(list(c)) for c in conversations], sampling_config,
+                                use_tqdm, lora_request)
+        return outputs[0] if single else outputs
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (a list of {"role", "content"}) with the prompt for the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

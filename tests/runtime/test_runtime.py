@@ -222,6 +222,22 @@ def test_stop_strings_end_the_text_exactly(tiny_models):
         assert by_id.finish_reason == "stop" and by_id.outputs[0].stop_reason == stop_id
 
 
+def test_chat_applies_the_chat_template(tiny_models):
+    hf_dir, _ = tiny_models["llama"]
+    greedy = SamplingConfig(max_new_tokens=8, end_id=-1)
+    hello = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    bye = [{"role": "user", "content": "Bye"}]
+    with LLM(hf_dir, build_config=BuildConfig(max_input_len=64, max_seq_len=128), quiet=True) as llm:
+        one = llm.chat(hello, greedy)
+        assert one.token_ids == llm.generate(llm.apply_chat_template(hello), greedy).token_ids
+        assert llm.tokenizer.decode(one.prompt_token_ids) == "<|system|>Be brief.</s><|user|>Hello</s><|assistant|>"
+        both = llm.chat([hello, bye], greedy)
+        assert [o.token_ids for o in both] == [one.token_ids, llm.chat(bye, greedy).token_ids]
+        for bad in ([], [{"role": "user"}], "Hello", [[]]):
+            with pytest.raises(ValueError, match="chat takes a conversation"):
+                llm.chat(bad, greedy)
+
+
 def test_min_tokens_and_logprobs(llama):
     model, hf_model = llama
     prompt = list(range(50, 70))
