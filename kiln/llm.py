@@ -24,7 +24,7 @@ from kiln.runtime.outputs import GenerationOutput
 from kiln.runtime.request import LoRARequest, Request
 from kiln.runtime.sampling import DecodingMode, SamplingConfig
 from kiln.runtime.workers import STOP, Workers, check_runnable, join_ranks, serve_steps
-from kiln.tokenizer import eos_token_ids, load_tokenizer
+from kiln.tokenizer import eos_token_ids, generation_defaults, load_tokenizer
 from kiln.utils.fs import exists_or_recovered
 
 Prompt = Union[str, Sequence[int]]
@@ -329,7 +329,7 @@ class LLM:
         """Submit one prompt (under the LoRA adapter `lora_request`, if given); returns at once. `await` the result,
         `async for` its streamed outputs (each with text_diff / token_ids_diff), or call `.result()`; `.abort()`
         stops it."""
-        request = self._make_request(prompt, sampling_config or SamplingConfig(), lora_request)
+        request = self._make_request(prompt, sampling_config or self.get_default_sampling_config(), lora_request)
         return self._executor.submit(request, prompt, streaming)
 
     def abort(self, request_id: int) -> None:
@@ -355,6 +355,15 @@ class LLM:
             source = str(Path(source).absolute())
         weights = self.engine.refit_source(source)                 # rank 0's share, checked here
         self._executor.run_when_idle(lambda: self.core.refit(self.engine, weights, source))
+
+    def get_default_sampling_config(self) -> SamplingConfig:
+        """What a request without a SamplingConfig decodes with: the sampling the model's generation_config.json
+        recommends (temperature, top_k, top_p, min_p with do_sample; repetition_penalty), as vLLM does; greedy where
+        it recommends nothing."""
+        try:
+            return SamplingConfig(**generation_defaults(self.engine.tokenizer_files))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the model's generation_config.json has sampling settings Kiln cannot use: {err}") from None
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None, use_tqdm: bool | None = None,
@@ -392,10 +401,9 @@ class LLM:
         """Runtime statistics: requests running/waiting, KV blocks used/free, prefix reuse, tokens per step."""
         return self.core.stats()
 
-    @staticmethod
-    def _configs(sampling_config, n: int) -> list[SamplingConfig]:
+    def _configs(self, sampling_config, n: int) -> list[SamplingConfig]:
         if sampling_config is None or isinstance(sampling_config, SamplingConfig):
-            return [sampling_config or SamplingConfig()] * n
+            return [sampling_config or self.get_default_sampling_config()] * n
         configs = list(sampling_config)
         if len(configs) != n:
             raise ValueError(f"{len(configs)} sampling configs for {n} prompts")

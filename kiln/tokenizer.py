@@ -67,6 +67,25 @@ def eos_token_ids(tokenizer, files: dict[str, bytes]) -> list[int]:
     return ids
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(files: dict[str, bytes]) -> dict:
+    """The sampling settings a model's generation_config.json recommends, as SamplingConfig fields: repetition
+    penalty always, and with do_sample true its temperature, top_k, top_p and min_p (transformers' rule: without
+    do_sample it decodes greedily). {} without the file."""
+    if "generation_config.json" not in files:
+        return {}
+    config = _json_file(files, "generation_config.json")
+    keys = SAMPLING_DEFAULTS if config.get("do_sample") is True else ("repetition_penalty",)
+    defaults = {key: config[key] for key in keys if config.get(key) is not None}
+    if defaults.get("repetition_penalty") == 1.0:
+        del defaults["repetition_penalty"]
+    if defaults.get("top_k") == 0:
+        del defaults["top_k"]
+    return defaults
+
+
 def _json_file(files: dict[str, bytes], name: str) -> dict:
     try:
         data = json.loads(files[name])

@@ -238,6 +238,29 @@ def test_chat_applies_the_chat_template(tiny_models):
                 llm.chat(bad, greedy)
 
 
+def test_default_sampling_comes_from_generation_config(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    hf_dir = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"][0], hf_dir)
+    build = BuildConfig(max_input_len=64, max_seq_len=128)
+    with LLM(hf_dir, build_config=build, quiet=True) as llm:
+        assert llm.get_default_sampling_config() == SamplingConfig()          # bos/eos/pad only: greedy
+    config_file = hf_dir / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "do_sample": False, "temperature": 0.6, "repetition_penalty": 1.3}))
+    with LLM(hf_dir, build_config=build, quiet=True) as llm:
+        assert llm.get_default_sampling_config() == SamplingConfig(repetition_penalty=1.3)   # greedy, penalised
+        penalised = SamplingConfig(repetition_penalty=1.3)
+        assert llm.generate("abc").token_ids == llm.generate("abc", penalised).token_ids
+        assert llm.chat([{"role": "user", "content": "hi"}]).token_ids == \
+            llm.chat([{"role": "user", "content": "hi"}], penalised).token_ids
+    config_file.write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 0}))
+    with LLM(hf_dir, build_config=build, quiet=True) as llm:
+        assert llm.get_default_sampling_config() == SamplingConfig(temperature=0.6, top_p=0.9)
+
+
 def test_min_tokens_and_logprobs(llama):
     model, hf_model = llama
     prompt = list(range(50, 70))
