@@ -203,7 +203,7 @@ class LLM:
             self.device = rank_device(self.device.type, 0)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
                                   verify=not skip_checksum)
-        draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum)
+        draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum, enable_trt_overlap)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
             raise ValueError(f"max_num_tokens={build_limits.max_num_tokens} is below max_input_len="
@@ -229,7 +229,8 @@ class LLM:
         if garbage_collection_gen0_threshold is not None:
             gc.set_threshold(garbage_collection_gen0_threshold, *self._gc_threshold[1:])
 
-    def _speculation(self, model, config: SpeculativeConfig | None, quiet: bool, skip_checksum: bool) -> Engine | None:
+    def _speculation(self, model, config: SpeculativeConfig | None, quiet: bool, skip_checksum: bool,
+                     overlap: bool) -> Engine | None:
         """Check speculative_config against the engine (one built here is sized for it); the draft model's engine,
         built with this engine's limits, for method "draft_model"."""
         if config is None:
@@ -239,6 +240,9 @@ class LLM:
         build_limits = self.engine.build_config
         if self.engine.pretrained_config.mapping.world_size > 1:
             raise ValueError("speculative decoding with tensor/pipeline parallelism is not supported yet")
+        if config.method == "eagle" and overlap:
+            raise ValueError("EAGLE drafting with enable_trt_overlap is not supported yet (it reads each step's "
+                             "hidden states before the next is launched)")
         if not _is_built(model) and build_limits.max_draft_len < config.max_draft_len:
             self.engine.build_config = dataclasses.replace(build_limits, max_draft_len=config.max_draft_len)
         elif build_limits.max_draft_len < config.max_draft_len:

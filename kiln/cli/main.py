@@ -85,10 +85,12 @@ def _run_parser(sub) -> None:
 
 
 def _speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative_method", choices=("ngram", "draft_model"),
-                   help="speculative decoding (lossless): ngram (prompt lookup) or draft_model (--speculative_model)")
+    p.add_argument("--speculative_method", choices=("ngram", "draft_model", "eagle"),
+                   help="speculative decoding (lossless): ngram (prompt lookup), draft_model or eagle (both with "
+                        "--speculative_model)")
     p.add_argument("--speculative_model", help="with --speculative_method draft_model: the draft model (engine, "
-                                               "checkpoint, HF directory or GGUF file sharing the tokenizer)")
+                                               "checkpoint, HF directory or GGUF file sharing the tokenizer); with "
+                                               "eagle: the EAGLE head's directory")
     p.add_argument("--max_draft_len", type=int, default=4, help="with --speculative_method: draft tokens per step")
     p.add_argument("--max_matching_ngram_size", type=int, default=4,
                    help="with --speculative_method ngram: the longest suffix n-gram looked up")
@@ -100,7 +102,7 @@ def _speculative_config(args):
 
     if args.speculative_method is None:
         if args.speculative_model is not None:
-            raise ValueError("--speculative_model needs --speculative_method draft_model")
+            raise ValueError("--speculative_model needs --speculative_method draft_model or eagle")
         return None
     return SpeculativeConfig(method=args.speculative_method, max_draft_len=args.max_draft_len,
                              max_matching_ngram_size=args.max_matching_ngram_size,

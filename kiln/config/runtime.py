@@ -59,7 +59,7 @@ class SchedulerPolicy(enum.Enum):
     """Admit greedily; when blocks run out, preempt the newest request and recompute it later."""
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 
 
 @dataclass
@@ -73,7 +73,8 @@ class SpeculativeConfig:
     method: str = "ngram"
     """"ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's last
     n-gram (no extra model); "draft_model": a smaller model sharing the tokenizer (speculative_model) drafts
-    autoregressively."""
+    autoregressively; "eagle": an EAGLE head (speculative_model: its directory, the public EAGLE layout) drafts from
+    the model's own hidden states."""
     max_draft_len: int = 4
     """Draft tokens verified per sequence and step (at most the engine's BuildConfig.max_draft_len)."""
     max_matching_ngram_size: int = 4
@@ -82,18 +83,17 @@ class SpeculativeConfig:
     """ngram: the shortest suffix n-gram looked up."""
     speculative_model: str | None = None
     """draft_model: the draft model — an engine directory, Kiln checkpoint, HF directory or GGUF file (or a loaded
-    Engine); its vocabulary must be the target's."""
+    Engine); its vocabulary must be the target's. eagle: the EAGLE head's directory."""
 
     def __post_init__(self):
         require(self.method in SPECULATIVE_METHODS,
-                f"SpeculativeConfig.method={self.method!r}: choose one of {', '.join(SPECULATIVE_METHODS)} "
-                "(EAGLE heads are not implemented yet)")
+                f"SpeculativeConfig.method={self.method!r}: choose one of {', '.join(SPECULATIVE_METHODS)}")
         require_positive("SpeculativeConfig", max_draft_len=self.max_draft_len,
                          max_matching_ngram_size=self.max_matching_ngram_size,
                          min_matching_ngram_size=self.min_matching_ngram_size)
         require(self.min_matching_ngram_size <= self.max_matching_ngram_size,
                 f"SpeculativeConfig: min_matching_ngram_size={self.min_matching_ngram_size} exceeds "
                 f"max_matching_ngram_size={self.max_matching_ngram_size}")
-        require((self.speculative_model is not None) == (self.method == "draft_model"),
-                "SpeculativeConfig.speculative_model is the draft model of method='draft_model': give it there "
-                "and only there")
+        require((self.speculative_model is not None) == (self.method != "ngram"),
+                "SpeculativeConfig.speculative_model is the draft model (method='draft_model') or the EAGLE head "
+                "(method='eagle'): give it there and only there")

@@ -60,6 +60,8 @@ class CudaGraphs:
         self.tokens_per_block, self.parts_for = tokens_per_block, parts_for
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}     # (size, long, LoRA) → graph
         self.logits: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self.hiddens: dict[tuple[int, bool, bool], torch.Tensor] = {}     # the network's output rows of each graph
+        self.last_hidden: torch.Tensor | None = None                      # the last replay's (a view of a buffer)
         self.pool = torch.cuda.graph_pool_handle()
         max_keys = self.width * tokens_per_block
         for size in sorted(self.sizes, reverse=True):      # largest first: later graphs reuse its pool
@@ -72,6 +74,7 @@ class CudaGraphs:
                 else:
                     self.graphs[size, True, lora] = self.graphs[size, False, lora]
                     self.logits[size, True, lora] = self.logits[size, False, lora]
+                    self.hiddens[size, True, lora] = self.hiddens[size, False, lora]
 
     def _meta(self, size: int, parts: tuple[int, int | None], lora: bool) -> AttentionMetadata:
         return AttentionMetadata(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
@@ -81,6 +84,7 @@ class CudaGraphs:
 
     def _forward(self, size: int, parts, lora: bool) -> torch.Tensor:
         hidden = self.net(self.input_ids[:size], self.positions[:size], self._meta(size, parts, lora), self.kv_caches)
+        self.hidden = hidden
         return self.net.compute_logits(hidden, float32=False)      # the runner converts the rows it samples from
 
     def _capture(self, key: tuple[int, bool, bool], parts) -> None:
@@ -91,7 +95,7 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.logits[key] = self._forward(size, parts, lora)
-        self.graphs[key] = graph
+        self.graphs[key], self.hiddens[key] = graph, self.hidden
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -123,6 +127,7 @@ class CudaGraphs:
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[size, long, lora].replay()
+        self.last_hidden = self.hiddens[size, long, lora][:n]
         return self.logits[size, long, lora][:n]
 
 
@@ -152,6 +157,8 @@ class VerifyGraphs:
         self.starts = {q: torch.arange(b + 1, dtype=torch.int64, device=device) * q for q in range(2, self.max_q + 1)}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # (size, q) → graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.hiddens: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_hidden: torch.Tensor | None = None
         self.pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             for q in range(2, self.max_q + 1):
@@ -170,6 +177,7 @@ class VerifyGraphs:
                                  self.block_tables[:size], max_query_len=q,
                                  max_seq_len=self.width * self.tokens_per_block, tokens_per_block=self.tokens_per_block)
         hidden = self.net(self.input_ids[:t], self.positions[:t], meta, self.kv_caches)
+        self.hidden = hidden
         return self.net.compute_logits(hidden, float32=False)
 
     def _capture(self, size: int, q: int) -> None:
@@ -182,7 +190,7 @@ class VerifyGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.logits[size, q] = self._forward(size, q)
-        self.graphs[size, q] = graph
+        self.graphs[size, q], self.hiddens[size, q] = graph, self.hidden
 
     def run(self, step, fill=None) -> torch.Tensor:
         """The logits of step.logit_rows (in the model's dtype) from the (bucket, q) graph."""
@@ -208,5 +216,6 @@ class VerifyGraphs:
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[size, q].replay()
+        self.last_hidden = self.hiddens[size, q][:tokens]
         rows = torch.tensor(step.logit_rows, dtype=torch.int64).to(self.device_buffer.device, non_blocking=True)
         return self.logits[size, q][rows]

@@ -10,7 +10,7 @@ from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, StepLogits
 from .request import PENDING_TOKEN, Request
 from .scheduler import Scheduler
-from .speculative import DraftModelDrafter, NgramDrafter, draft_room
+from .speculative import DraftModelDrafter, EagleDrafter, NgramDrafter, draft_room
 from .step import Refit
 
 
@@ -85,6 +85,9 @@ class EngineCore:
         self.runner.speculating = True
         if config.method == "ngram":
             return NgramDrafter(config)
+        if config.method == "eagle":
+            self.runner.keep_hidden = True
+            return EagleDrafter(config, self.runner.net, device)
         draft, target = draft_engine.pretrained_config, self.runner.config
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
@@ -165,6 +168,8 @@ class EngineCore:
 
     def _complete(self, out, launch) -> list[Request]:
         """Sample a launched step's tokens and apply them (in order)."""
+        if hasattr(self.drafter, "observe"):
+            self.drafter.observe(out.scheduled, self.runner.last_hidden)
         result, gathered = self.runner.finish(launch)
         self._attach_logits(gathered)
         self._end_failed(out)

@@ -102,6 +102,8 @@ class ModelRunner:
         self._adapters: tuple[dict[str, int], list] | None = None    # the next launch's (slots, loads)
         self.max_draft_len = build.max_draft_len          # draft tokens a sequence may have verified per step
         self.speculating = False                          # a drafter proposes: never defer a request it may draft for
+        self.keep_hidden = False                          # keep the last step's hidden states (EAGLE drafts from them)
+        self.last_hidden: torch.Tensor | None = None      # (the step's packed rows, hidden), where kept
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -294,12 +296,17 @@ class ModelRunner:
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
                 and self.graphs.fits(n) and (step.lora_slots is None or self.graphs.lora_slots)):
             self._copy_blocks(step.block_copies)
-            return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                   step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill,
-                                   lora_slots=step.lora_slots)
+            logits = self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                     step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill,
+                                     lora_slots=step.lora_slots)
+            self.last_hidden = self.graphs.last_hidden
+            return logits
+        self.last_hidden = None
         if self.verify_graphs is not None and step.max_query_len > 1 and self.verify_graphs.takes(step):
             self._copy_blocks(step.block_copies)
-            return self.verify_graphs.run(step, fill)
+            logits = self.verify_graphs.run(step, fill)
+            self.last_hidden = self.verify_graphs.last_hidden
+            return logits
         if self.parallel is not None and self.config.mapping.pp_size > 1:
             return self._run_pipelined(step)
         self._copy_blocks(step.block_copies)
@@ -307,6 +314,7 @@ class ModelRunner:
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         hidden = self.net(input_ids, self._tensor(step.positions), self._metadata(step), self.kv_caches)
+        self.last_hidden = hidden if self.keep_hidden else None
         return self._logits(hidden, step)
 
     def _metadata(self, step: Step) -> AttentionMetadata:

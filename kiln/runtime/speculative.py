@@ -159,3 +159,96 @@ class DraftModelDrafter:
 
     def close(self) -> None:
         self.runner.close()
+
+
+class EagleDrafter:
+    """EAGLE: a head (kiln.models.eagle) predicts the model's next hidden state from its last one and the next
+    token's embedding; the model's LM head reads a draft token off each prediction, which feeds the next. The head
+    keeps, per sequence, a KV cache over the positions whose hidden state the model computed (observe() collects
+    them after each step); drafting extends it for the moment only."""
+
+    def __init__(self, config: SpeculativeConfig, net, device: torch.device):
+        from kiln.models.eagle import EagleHead
+
+        self.max_draft_len, self.net = config.max_draft_len, net
+        self.head = EagleHead(config.speculative_model, net.config, device)
+        self.states: dict[int, _EagleState] = {}       # seq id → what the head holds of it
+        self.generators: dict[int, torch.Generator] = {}
+
+    def observe(self, scheduled, hidden: torch.Tensor | None) -> None:
+        """Keep the model's hidden states of a step's tokens (`hidden`: the step's rows, packed as `scheduled`),
+        by position; called before the step's tokens count as computed."""
+        if hidden is None:
+            return
+        row = 0
+        for _, seq, n in scheduled:
+            state = self.states.setdefault(seq.seq_id, _EagleState())
+            block = hidden[row:row + n].detach().clone()
+            for j in range(n):
+                state.features[seq.num_computed_tokens + j] = block[j]
+            row += n
+
+    def propose(self, batch: list[tuple[Request, Sequence, int]]) -> None:
+        for request, seq, k in batch:
+            seq.draft_ids, seq.draft_probs = [], None
+            state = self.states.get(seq.seq_id)
+            if state is not None:
+                self._draft(request, seq, state, k)
+
+    def _draft(self, request: Request, seq: Sequence, state: "_EagleState", k: int) -> None:
+        tokens, last = seq.token_ids, len(seq.token_ids) - 2        # positions 0..last have their next token
+        ready = [p for p in range(state.done, last + 1) if p in state.features]    # (a reused prefix has none)
+        prediction = None
+        if ready:
+            prediction, state.cache = self._step([tokens[p + 1] for p in ready],
+                                                 torch.stack([state.features[p] for p in ready]), ready, state.cache)
+        for p in [p for p in state.features if p <= last]:
+            del state.features[p]
+        state.done = max(state.done, last + 1)
+        if prediction is None or ready[-1] != last:
+            return                                                  # no hidden state of the last position
+        prediction, cache, probs = prediction[-1:], state.cache, []
+        for j in range(k):
+            token, q = self._draw(request, self.net.compute_logits(prediction)[0])
+            seq.draft_ids.append(token)
+            probs += [q] if q is not None else []
+            if j + 1 < k:
+                prediction, cache = self._step([token], prediction, [last + 1 + j], cache)
+        if probs:
+            seq.draft_probs = torch.stack(probs)
+
+    def _step(self, tokens: list[int], features: torch.Tensor, positions: list[int], cache):
+        """The head over `positions` (their next tokens and the hidden states there), after `cache`."""
+        device = features.device
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        return self.head.forward(self.net.embed(ids), features, torch.tensor(positions, device=device), cache)
+
+    def _draw(self, request: Request, row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        sampling, row = request.sampling, sampler.finite_logits(row.float())
+        if sampling.greedy:
+            return int(row.argmax()), None
+        kept = sampler.filtered_logits(row, sampling)
+        if not torch.isfinite(kept).any():
+            return int(row.argmax()), torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).float()
+        q = kept.softmax(-1)
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = self.generators[request.request_id] = torch.Generator(device=row.device)
+            seed = request.sampling.random_seed
+            generator.manual_seed(seed + DRAFT_SAMPLES) if seed is not None else generator.seed()
+        return int(torch.multinomial(q, 1, generator=generator)[0]), q
+
+    def release(self, request: Request) -> None:
+        for seq in request.all_seqs():
+            self.states.pop(seq.seq_id, None)
+        self.generators.pop(request.request_id, None)
+
+
+class _EagleState:
+    """A sequence's share of the head: the model's hidden states not fed to the head yet (by position), and the
+    head's KV cache over the positions before `done`."""
+
+    def __init__(self):
+        self.features: dict[int, torch.Tensor] = {}
+        self.cache = None
+        self.done = 0

@@ -211,10 +211,10 @@ def test_rejection_sampling_keeps_the_models_distribution(drafter):
 
 
 def test_speculative_options_are_checked(tiny_models, tmp_path):
-    with pytest.raises(ValueError, match="choose one of ngram, draft_model"):
-        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="choose one of ngram, draft_model, eagle"):
+        SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="speculative_model is the draft model"):
-        SpeculativeConfig(method="draft_model")
+        SpeculativeConfig(method="eagle")
     with pytest.raises(ValueError, match="min_matching_ngram_size=3 exceeds"):
         SpeculativeConfig(min_matching_ngram_size=3, max_matching_ngram_size=2)
     hf_dir = tiny_models["llama"][0]
@@ -238,4 +238,81 @@ def test_kiln_run_speculates_and_prints_the_same_text(tiny_models, capsys):
     assert main(base[:1] + ["--speculative_method", "ngram", "--max_draft_len", "3"] + base[1:]) == 0
     assert capsys.readouterr().out == plain
     assert main(base[:1] + ["--speculative_model", "x"] + base[1:]) == 2
-    assert "--speculative_model needs --speculative_method draft_model" in capsys.readouterr().err
+    assert "--speculative_model needs --speculative_method draft_model or eagle" in capsys.readouterr().err
+
+
+def write_eagle_head(path, seed: int, safetensors: bool = True, drop: str | None = None, hidden: int = 64):
+    """A random EAGLE head for the tiny Llama (hidden 64, 4 heads, 2 KV heads, MLP 128) in the public layout."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (64, 2 * hidden), "fc.bias": (64,), "layers.0.self_attn.q_proj.weight": (64, 64),
+              "layers.0.self_attn.k_proj.weight": (32, 64), "layers.0.self_attn.v_proj.weight": (32, 64),
+              "layers.0.self_attn.o_proj.weight": (64, 64), "layers.0.mlp.gate_proj.weight": (128, 64),
+              "layers.0.mlp.up_proj.weight": (128, 64), "layers.0.mlp.down_proj.weight": (64, 128),
+              "layers.0.post_attention_layernorm.weight": (64,), "layers.0.input_layernorm.weight": (64,)}
+    tensors = {name: torch.randn(shape, generator=g) * 0.1 for name, shape in shapes.items() if name != drop}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                  "intermediate_size": 128, "num_hidden_layers": 1,
+                                                  "rms_norm_eps": 1e-5, "vocab_size": 320}))
+    if safetensors:
+        save_file(tensors, str(path / "model.safetensors"))
+    else:
+        torch.save(tensors, path / "pytorch_model.bin")
+    return path
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_eagle_heads_keep_the_greedy_tokens(tiny_models, tmp_path, model):
+    hf_dir = tiny_models[model][0]
+    greedy = SamplingConfig(max_new_tokens=40, end_id=-1)
+    with _llm(hf_dir) as llm:
+        plain = _tokens(llm, PROMPTS, greedy)
+    for i, safetensors in enumerate((True, False)):
+        head = write_eagle_head(tmp_path / f"head{i}", seed=i, safetensors=safetensors)
+        config = SpeculativeConfig(method="eagle", max_draft_len=3, speculative_model=str(head))
+        with _llm(hf_dir, config, enable_chunked_context=True,
+                  kv_cache_config=KvCacheConfig(enable_block_reuse=True)) as llm:
+            assert _tokens(llm, PROMPTS, greedy) == plain
+            assert [_tokens(llm, [p], greedy)[0] for p in PROMPTS] == plain      # alone, prefixes reused
+            sampled = llm.generate(PROMPTS[0], SamplingConfig(max_new_tokens=20, temperature=0.9, random_seed=1))
+            assert len(sampled.token_ids) == 20 and sampled.metrics.num_draft_tokens > 0
+            stats = llm.stats()
+            assert stats["draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_eagle_head_cache_gives_what_one_pass_gives(tiny_models, tmp_path):
+    """The head over six positions at once equals the head over two, then four after its cache."""
+    from kiln.models import LlamaForCausalLM
+    from kiln.models.eagle import EagleHead
+
+    model = LlamaForCausalLM.from_hugging_face(tiny_models["llama"][0], quiet=True)
+    head = EagleHead(write_eagle_head(tmp_path / "head", seed=3), model.config, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    embeds, features = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
+    positions = torch.arange(3, 9)
+    whole, _ = head.forward(embeds, features, positions, None)
+    first, cache = head.forward(embeds[:2], features[:2], positions[:2], None)
+    rest, _ = head.forward(embeds[2:], features[2:], positions[2:], cache)
+    assert torch.allclose(torch.cat([first, rest]), whole, atol=1e-5)
+    apart = positions.clone()
+    apart[-1] += 10                                                   # rope: relative positions matter
+    assert not torch.allclose(head.forward(embeds, features, apart, None)[0][-1], whole[-1], atol=1e-3)
+
+
+def test_bad_eagle_heads_are_named(tiny_models, tmp_path):
+    hf_dir = tiny_models["llama"][0]
+    for name, kwargs, match in (("gone", dict(drop="fc.weight"), "tensor fc.weight is missing"),
+                                ("wide", dict(hidden=96), r"fc.weight has shape \(64, 192\)")):
+        head = write_eagle_head(tmp_path / name, seed=0, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            _llm(hf_dir, SpeculativeConfig(method="eagle", speculative_model=str(head)))
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        _llm(hf_dir, SpeculativeConfig(method="eagle", speculative_model=str(tmp_path)))
+    head = write_eagle_head(tmp_path / "ok", seed=0)
+    with pytest.raises(ValueError, match="EAGLE drafting with enable_trt_overlap is not supported yet"):
+        _llm(hf_dir, SpeculativeConfig(method="eagle", speculative_model=str(head)), enable_trt_overlap=True)
