@@ -94,7 +94,9 @@ def test_smollm2_copies_a_text_with_drafts_and_the_same_tokens(smollm2_model, tm
                 assert out.metrics.mean_accepted_length > 1.5, out.metrics
 
 
-def test_speculating_and_plain_requests_share_steps_with_chunks_reuse_and_preemption(tiny_models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_speculating_and_plain_requests_share_steps_with_chunks_reuse_and_preemption(tiny_models, draft_dir,
+                                                                                      tmp_path, method):
     """Greedy requests speculate while requests with penalties and n = 2 sampling run beside them without
     drafts; prompts are chunked, share cached prefixes, and the pool is small enough that MAX_UTILIZATION
     preempts."""
@@ -109,7 +111,11 @@ def test_speculating_and_plain_requests_share_steps_with_chunks_reuse_and_preemp
     build = options.pop("build")
     with LLM(hf_dir, build_config=BuildConfig(**build), quiet=True, device="cpu", **options) as llm:
         plain = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, configs)]
-    with LLM(hf_dir, build_config=BuildConfig(**build), quiet=True, device="cpu", speculative_config=NGRAM,
+    config = {"ngram": NGRAM,
+              "draft_model": SpeculativeConfig(method="draft_model", max_draft_len=3, speculative_model=str(draft_dir)),
+              "eagle": SpeculativeConfig(method="eagle", max_draft_len=3,
+                                         speculative_model=str(write_eagle_head(tmp_path / "head", seed=5)))}[method]
+    with LLM(hf_dir, build_config=BuildConfig(**build), quiet=True, device="cpu", speculative_config=config,
              **options) as llm:
         outs = llm.generate(prompts, configs)
         # greedy requests give the same tokens; sampled ones draw from logits whose last bits depend on the batch
