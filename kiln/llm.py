@@ -13,7 +13,7 @@ from typing import Sequence, Union
 import torch
 
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
-from kiln.checkpoint import is_checkpoint_dir, load_checkpoint_config, read_source_config
+from kiln.checkpoint import hub, is_checkpoint_dir, load_checkpoint_config, read_source_config
 from kiln.config import (BuildConfig, KvCacheConfig, LoraCacheConfig, Mapping, ParallelConfig, PretrainedConfig,
                          SchedulerPolicy, SpeculativeConfig)
 from kiln.distributed import launched_rank, rank_device
@@ -41,10 +41,13 @@ def default_build_config(config: PretrainedConfig) -> BuildConfig:
 
 def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
                 device: torch.device | str = "cpu", parallel_config: ParallelConfig | None = None,
-                verify: bool = True) -> Engine:
-    """An Engine from an Engine, a PretrainedModel, or a path to an engine, checkpoint, HF dir or GGUF file;
+                verify: bool = True, revision: str | None = None) -> Engine:
+    """An Engine from an Engine, a PretrainedModel, a path to an engine, checkpoint, HF dir or GGUF file, or a
+    Hugging Face model id (org/name, at `revision`; kiln.checkpoint.hub);
     with a parallel_config of several ranks, models and checkpoints are sharded and every rank built. The files
     of engines and checkpoints are verified against their checksums unless verify=False."""
+    if revision is not None and not hub.is_model_id(model):
+        raise ValueError(f"revision={revision!r} applies to Hugging Face model ids (org/name), not to {model!r}")
     if isinstance(model, Engine):
         _check_built("the Engine given", model.pretrained_config.mapping, dtype, build_config, parallel_config)
         return model
@@ -53,7 +56,7 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
             raise ValueError(f"dtype={dtype!r}: a loaded model keeps its own dtype ({model.config.dtype}); "
                              "give dtype when loading it")
         return _build(model, build_config, parallel_config, quiet)
-    path = Path(model)
+    path = Path(hub.resolve(model, revision))
     if not exists_or_recovered(path):
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir() and is_engine_dir(path):
@@ -160,10 +163,12 @@ class LLM:
                  parallel_config: ParallelConfig | None = None,
                  garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False,
                  lora_cache_config: LoraCacheConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, revision: str | None = None):
         """
         Args:
-            model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, or an Engine/model object.
+            model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, a Hugging Face model id
+                (org/name: downloaded once into the hub cache; HF_HUB_OFFLINE=1 reads the cache only), or an
+                Engine/model object.
             tokenizer: overrides the tokenizer stored with the model.
             build_config: limits for the engine built here (not for an already built engine).
             kv_cache_config: size of the paged KV cache and prefix block reuse.
@@ -182,8 +187,10 @@ class LLM:
                 very large engines; corruption then goes unnoticed).
             lora_cache_config: how many LoRA adapters stay loaded on the device and on the host (requests choose
                 theirs with lora_request=LoRARequest(name, path)).
-            speculative_config: speculative decoding (n-gram lookup or a draft model), lossless; an engine loaded
-                from disk must have been built with max_draft_len >= its max_draft_len (one built here is).
+            speculative_config: speculative decoding (n-gram lookup, a draft model or an EAGLE head), lossless;
+                an engine loaded from disk must have been built with max_draft_len >= its max_draft_len (one built
+                here is).
+            revision: the branch, tag or commit of a Hugging Face model id.
         """
         if garbage_collection_gen0_threshold is not None and garbage_collection_gen0_threshold < 1:
             raise ValueError(f"garbage_collection_gen0_threshold={garbage_collection_gen0_threshold} must be >= 1 "
@@ -202,7 +209,7 @@ class LLM:
                 _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
             self.device = rank_device(self.device.type, 0)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
-                                  verify=not skip_checksum)
+                                  verify=not skip_checksum, revision=revision)
         draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum, enable_trt_overlap)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:

@@ -35,13 +35,16 @@ class PretrainedModel:
                           quiet: bool = False,
                           prepare_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None,
                           lazy: bool = False):
-        """Load an HF model directory (safetensors or .bin, sharded or not), a GGUF file (dequantised), or an
-        in-memory transformers model (its tensors are used as they are, on their device), as it is (kiln.convert
+        """Load an HF model directory (safetensors or .bin, sharded or not; or a Hugging Face model id, org/name,
+        through the hub's cache), a GGUF file (dequantised), or an in-memory transformers model (its tensors are used as they are, on their device), as it is (kiln.convert
         loads and quantizes). Files are read a tensor at a time; with lazy=True nothing is read until a tensor is
         used (the names and shapes are checked now, each tensor when it is read). With a `mapping` of several
         ranks only that rank's share of an HF directory is read (load_by_shard). `prepare_config` is called with
         the model's config before any weight is read and returns the config to load with (kiln.convert checks a
         ConvertConfig's shape fields there and sets its parallel fields)."""
+        from kiln.checkpoint import hub
+
+        model_dir = hub.resolve(model_dir)                  # a Hugging Face model id → its cached snapshot
         prepare_config = prepare_config or (lambda config: config)
         if mapping is not None and mapping.world_size > 1:
             return cls._load_rank(model_dir, dtype, mapping, prepare_config, quiet, lazy)
