@@ -17,6 +17,7 @@ _EXPORTS = {
     "LoraCacheConfig": "kiln.config", "LoraConfig": "kiln.config",
     "Mapping": "kiln.config", "PluginConfig": "kiln.config", "PretrainedConfig": "kiln.config",
     "QuantConfig": "kiln.config", "SchedulerPolicy": "kiln.config", "SpeculativeConfig": "kiln.config",
+    "ModelConfig": "kiln.config", "ParallelConfig": "kiln.config",
     "LoRARequest": "kiln.runtime.request",
     "SamplingConfig": "kiln.runtime.sampling", "DecodingMode": "kiln.runtime.sampling",
     "GenerationOutput": "kiln.runtime.outputs", "CompletionOutput": "kiln.runtime.outputs",

@@ -14,8 +14,8 @@ import torch
 
 from kiln.builder import Engine, build, build_all_ranks, build_auto_parallel, build_sharded, is_engine_dir
 from kiln.checkpoint import hub, is_checkpoint_dir, load_checkpoint_config, read_source_config
-from kiln.config import (BuildConfig, KvCacheConfig, LoraCacheConfig, Mapping, ParallelConfig, PretrainedConfig,
-                         SchedulerPolicy, SpeculativeConfig)
+from kiln.config import (BuildConfig, KvCacheConfig, LoraCacheConfig, Mapping, ModelConfig, ParallelConfig,
+                         PretrainedConfig, QuantConfig, SchedulerPolicy, SpeculativeConfig)
 from kiln.distributed import launched_rank, rank_device
 from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
@@ -41,21 +41,23 @@ def default_build_config(config: PretrainedConfig) -> BuildConfig:
 
 def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = None, quiet: bool = False,
                 device: torch.device | str = "cpu", parallel_config: ParallelConfig | None = None,
-                verify: bool = True, revision: str | None = None) -> Engine:
+                verify: bool = True, revision: str | None = None, quant_config: QuantConfig | None = None,
+                build_fields: dict | None = None) -> Engine:
     """An Engine from an Engine, a PretrainedModel, a path to an engine, checkpoint, HF dir or GGUF file, or a
-    Hugging Face model id (org/name, at `revision`; kiln.checkpoint.hub);
+    Hugging Face model id (org/name, at `revision`; kiln.checkpoint.hub); a float model is quantized as
+    `quant_config` asks before it is built, and `build_fields` (ModelConfig's) set those of the build config;
     with a parallel_config of several ranks, models and checkpoints are sharded and every rank built. The files
     of engines and checkpoints are verified against their checksums unless verify=False."""
     if revision is not None and not hub.is_model_id(model):
         raise ValueError(f"revision={revision!r} applies to Hugging Face model ids (org/name), not to {model!r}")
     if isinstance(model, Engine):
         _check_built("the Engine given", model.pretrained_config.mapping, dtype, build_config, parallel_config)
-        return model
+        return _check_prebuilt(model, quant_config, build_fields)
     if isinstance(model, PretrainedModel):
         if dtype != "auto":
             raise ValueError(f"dtype={dtype!r}: a loaded model keeps its own dtype ({model.config.dtype}); "
                              "give dtype when loading it")
-        return _build(model, build_config, parallel_config, quiet)
+        return _build(_quantized(model, quant_config, quiet), build_config, parallel_config, quiet, build_fields)
     path = Path(hub.resolve(model, revision))
     if not exists_or_recovered(path):
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -64,7 +66,7 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
 
         mapping = PretrainedConfig.from_dict(read_manifest(path)["pretrained_config"]).mapping
         _check_built(str(path), mapping, dtype, build_config, parallel_config)
-        return Engine.from_dir(path, device=device, verify=verify)
+        return _check_prebuilt(Engine.from_dir(path, device=device, verify=verify), quant_config, build_fields)
     if path.is_dir() and is_checkpoint_dir(path):
         config = load_checkpoint_config(path)
         if dtype != "auto":
@@ -73,15 +75,17 @@ def load_engine(model, dtype: str = "auto", build_config: BuildConfig | None = N
             if parallel_config is not None or (build_config is not None and build_config.auto_parallel_config.enabled):
                 raise ValueError(f"{path} is already sharded ({config.mapping.world_size} ranks): leave "
                                  "parallel_config and auto_parallel_config out")
+            if quant_config is not None and quant_config.enabled:
+                raise ValueError(f"{path} is a sharded checkpoint: quantize it with kiln convert, not quant_config")
             cls = model_class(config.architecture)
             return build_all_ranks(lambda rank: cls.from_checkpoint(path, rank, verify), config.mapping.world_size,
-                                   build_config or default_build_config(config), quiet)
+                                   _with_fields(build_config or default_build_config(config), build_fields), quiet)
         loaded = model_class(config.architecture).from_checkpoint(path, verify=verify)
     elif not verify:
         raise ValueError(f"skip_checksum applies to Kiln engines and checkpoints; {path} has no checksums to skip")
     else:
         loaded = model_class(read_source_config(path, dtype).architecture).from_hugging_face(path, dtype, quiet=quiet)
-    return _build(loaded, build_config, parallel_config, quiet)
+    return _build(_quantized(loaded, quant_config, quiet), build_config, parallel_config, quiet, build_fields)
 
 
 def _check_built(where: str, mapping: Mapping, dtype: str, build_config: BuildConfig | None,
@@ -102,8 +106,46 @@ def _check_built(where: str, mapping: Mapping, dtype: str, build_config: BuildCo
                          "parallel_config out (or give the engine's) or rebuild")
 
 
-def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: ParallelConfig | None, quiet: bool):
-    build_config = build_config or default_build_config(model.config)
+def _quantized(model: PretrainedModel, quant_config: QuantConfig | None, quiet: bool) -> PretrainedModel:
+    """The model quantized as quant_config asks (calibrated on Kiln's calibration text); a model quantized already
+    is refused."""
+    if quant_config is None or not quant_config.enabled:
+        return model
+    if model.config.quantization.enabled:
+        raise ValueError(f"the model is quantized already ({model.config.quantization.quant_algo}): give a float "
+                         "model to quantize with quant_config")
+    from kiln.quantization import quantize_model
+
+    return quantize_model(model, quant_config, 16, quiet)
+
+
+def _with_fields(build_config: BuildConfig, fields: dict | None) -> BuildConfig:
+    """build_config with ModelConfig.build_fields() set (multi_block_mode inside its plugin_config)."""
+    fields = dict(fields or {})
+    multi_block = fields.pop("multi_block_mode", None)
+    build_config = dataclasses.replace(build_config, **fields) if fields else build_config
+    if multi_block is not None:
+        build_config = dataclasses.replace(build_config, plugin_config=dataclasses.replace(
+            build_config.plugin_config, multi_block_mode=multi_block))
+    return build_config
+
+
+def _check_prebuilt(engine: Engine, quant_config: QuantConfig | None, fields: dict | None) -> Engine:
+    """An engine built elsewhere: quant_config and build settings cannot change it (refused where they differ)."""
+    if quant_config is not None and quant_config.enabled:
+        raise ValueError("quant_config quantizes a model before it is built; this is a built engine (quantize the "
+                         "model with kiln convert, then build)")
+    for name, value in (fields or {}).items():
+        built = engine.build_config.plugin_config if name == "multi_block_mode" else engine.build_config
+        if getattr(built, name) != value:
+            raise ValueError(f"ModelConfig asks for {name}={value!r}, but the engine was built with "
+                             f"{getattr(built, name)!r}: rebuild it, or leave {name} at the engine's")
+    return engine
+
+
+def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: ParallelConfig | None, quiet: bool,
+           build_fields: dict | None = None):
+    build_config = _with_fields(build_config or default_build_config(model.config), build_fields)
     if parallel is None or (parallel.tp_size * parallel.pp_size == 1 and not parallel.auto_parallel):
         return build(model, build_config, quiet)
     if build_config.auto_parallel_config.enabled:
@@ -113,6 +155,15 @@ def _build(model: PretrainedModel, build_config: BuildConfig | None, parallel: P
         limit = parallel.max_memory_mb * 2**20 if parallel.max_memory_mb else None
         return build_auto_parallel(model, build_config, parallel.world_size, limit, quiet)
     return build_sharded(model, build_config, parallel.tp_size, parallel.pp_size, quiet)
+
+
+def _unpack(config: ModelConfig, parallel: ParallelConfig | None, quant: QuantConfig | None):
+    """(model, parallel_config, quant_config, build fields) of a ModelConfig; its fields given twice are refused."""
+    if parallel is not None:
+        raise ValueError("parallel_config is given twice (in the ModelConfig and to LLM): give it once")
+    if quant is not None:
+        raise ValueError("quant_config is given twice (in the ModelConfig and to LLM): give it once")
+    return config.source, config.parallel_config, config.quant_config, config.build_fields()
 
 
 def _is_built(model) -> bool:
@@ -163,7 +214,8 @@ class LLM:
                  parallel_config: ParallelConfig | None = None,
                  garbage_collection_gen0_threshold: int | None = 20000, skip_checksum: bool = False,
                  lora_cache_config: LoraCacheConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None, revision: str | None = None):
+                 speculative_config: SpeculativeConfig | None = None, revision: str | None = None,
+                 quant_config: QuantConfig | None = None, async_engine_tmp_dir: str | Path | None = None):
         """
         Args:
             model: an engine directory, a Kiln checkpoint, an HF directory or GGUF file, a Hugging Face model id
@@ -191,7 +243,18 @@ class LLM:
                 an engine loaded from disk must have been built with max_draft_len >= its max_draft_len (one built
                 here is).
             revision: the branch, tag or commit of a Hugging Face model id.
+            quant_config: quantize a float model (HF dir, GGUF, unsharded checkpoint, in-memory model) before
+                building it, as `kiln convert` would (calibrated on Kiln's calibration text).
+            async_engine_tmp_dir: where an engine built here is also saved (for inspection); it must be a new or
+                empty directory.
+
+        `model` may also be the seed's ModelConfig(model_dir=..., parallel_config=..., quant_config=...,
+        max_beam_width=..., multi_block_mode=..., plugin_config=...), standing for those arguments.
         """
+        if isinstance(model, ModelConfig):
+            model, parallel_config, quant_config, build_fields = _unpack(model, parallel_config, quant_config)
+        else:
+            build_fields = None
         if garbage_collection_gen0_threshold is not None and garbage_collection_gen0_threshold < 1:
             raise ValueError(f"garbage_collection_gen0_threshold={garbage_collection_gen0_threshold} must be >= 1 "
                              "(or None to keep Python's threshold)")
@@ -209,7 +272,12 @@ class LLM:
                 _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
             self.device = rank_device(self.device.type, 0)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
-                                  verify=not skip_checksum, revision=revision)
+                                  verify=not skip_checksum, revision=revision, quant_config=quant_config,
+                                  build_fields=build_fields)
+        if async_engine_tmp_dir is not None:
+            if _is_built(model):
+                raise ValueError("async_engine_tmp_dir keeps an engine built here; this one was built already")
+            self.engine.save(async_engine_tmp_dir)
         draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum, enable_trt_overlap)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:

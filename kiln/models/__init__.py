@@ -13,6 +13,7 @@ MODEL_CLASSES: dict[str, type[PretrainedModel]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+LLaMAForCausalLM = LlamaForCausalLM       # the seed's (TensorRT-LLM's) spelling
 
 
 def model_class(architecture: str) -> type[PretrainedModel]:
@@ -20,5 +21,5 @@ def model_class(architecture: str) -> type[PretrainedModel]:
     return MODEL_CLASSES[architecture]
 
 
-__all__ = ["DecoderForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MistralForCausalLM", "MixtralForCausalLM",
+__all__ = ["DecoderForCausalLM", "LLaMAForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MistralForCausalLM", "MixtralForCausalLM",
            "PretrainedModel", "Qwen2ForCausalLM", "model_class"]

@@ -20,8 +20,8 @@ import kiln.config
 from conftest import save_tiny_model
 from kiln import LLM, build
 from kiln.config import (AutoParallelConfig, BuildConfig, BuildFile, ConvertConfig, KvCacheConfig, LoraCacheConfig,
-                         LoraConfig, Mapping, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig, QuantConfig,
-                         SpeculativeConfig, field_docs)
+                         LoraConfig, Mapping, ModelConfig, ModelSection, ParallelConfig, PluginConfig, PretrainedConfig,
+                         QuantConfig, SpeculativeConfig, field_docs)
 from kiln.convert import quantize
 from kiln.models import model_class
 from kiln.runtime.sampling import SamplingConfig
@@ -118,6 +118,12 @@ VALUES = {
         "learned_rounding_steps": (1, {"quant_algo": "W4A16_GPTQ", "group_size": 32}),
     },
     "LoraCacheConfig": {"max_loras": (2, {}), "max_cpu_loras": (8, {})},
+    "ModelConfig": {
+        "model_dir": ("<hf>", {}), "model": ("<hf>", {"model_dir": None}),
+        "parallel_config": (lambda: ParallelConfig(tp_size=2), {}),
+        "quant_config": (lambda: QuantConfig(quant_algo="W8A16"), {}), "multi_block_mode": (False, {}),
+        "max_beam_width": (2, {}), "plugin_config": (lambda: PluginConfig(tokens_per_block=16), {}),
+    },
     "SpeculativeConfig": {
         "method": ("draft_model", {"speculative_model": "<hf>"}), "max_draft_len": (2, {}),
         "max_matching_ngram_size": (2, {}), "min_matching_ngram_size": (2, {"max_matching_ngram_size": 3}),
@@ -152,6 +158,7 @@ SAME_ENGINE = {
 # The other fields of every instance of a class: a small, valid starting point. (In VALUES and BASES a callable
 # is called for a fresh value, and <hf> and <tmp> name the tiny HF directory and the test's temporary directory.)
 BASES = {"PretrainedConfig": TINY, "BuildConfig": SMALL, "SamplingConfig": {"max_new_tokens": 1},
+         "ModelConfig": {"model_dir": "<hf>"},
          "ConvertConfig": {"calib_size": 1},           # one calibration sequence keeps quantizing fast
          "BuildFile": {name: VALUES["BuildFile"][name][0] for name in ("checkpoint", "build")}}
 
@@ -304,6 +311,12 @@ def use_lora_cache_config(config: LoraCacheConfig, env) -> None:
     _generate(build(_model(), BuildConfig(**SMALL), quiet=True), lora_cache_config=config)
 
 
+def use_model_config(config: ModelConfig, env) -> None:
+    """LLM(config), the seed's form, generating a token."""
+    with LLM(config, device="cpu", quiet=True) as llm:
+        llm.generate([1, 2, 3], SamplingConfig(max_new_tokens=1))
+
+
 def use_speculative_config(config: SpeculativeConfig, env) -> None:
     """Tokens generated with drafts (from a prompt that repeats itself, so n-gram lookup finds some)."""
     _generate(build(_model(), BuildConfig(**SMALL, max_draft_len=4), quiet=True),
@@ -348,6 +361,7 @@ CONSUMERS = {
     "ParallelConfig": [use_parallel_config], "PretrainedConfig": [use_pretrained_config],
     "QuantConfig": [use_quant_config], "KvCacheConfig": [use_kv_cache_config],
     "LoraCacheConfig": [use_lora_cache_config], "SpeculativeConfig": [use_speculative_config],
+    "ModelConfig": [use_model_config],
     "SamplingConfig": [use_sampling_config],
     "ServerConfig": [use_server_config], "ModelSection": [use_model_section], "BuildFile": [use_build_file],
 }
