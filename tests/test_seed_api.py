@@ -12,6 +12,7 @@ from kiln.models import LLaMAForCausalLM, LlamaForCausalLM
 GREEDY = SamplingConfig(max_new_tokens=8, end_id=-1)
 
 
+@pytest.mark.slow
 def test_the_seeds_snippet_runs_on_smollm2(smollm2_path):
     config = ModelConfig(str(smollm2_path))
     llm = LLM(config)

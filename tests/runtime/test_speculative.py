@@ -70,6 +70,7 @@ def test_greedy_tokens_equal_decoding_without_drafts(tiny_models, draft_dir, mod
             assert stats["draft_acceptance_rate"] == 1.0
 
 
+@pytest.mark.slow
 def test_smollm2_copies_a_text_with_drafts_and_the_same_tokens(smollm2_model, tmp_path):
     from kiln.utils.default_model import default_model_path
 
