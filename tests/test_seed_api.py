@@ -59,3 +59,50 @@ def test_the_seeds_class_names():
     assert LLaMAForCausalLM is LlamaForCausalLM
     config = ModelConfig(model_dir="x", parallel_config=ParallelConfig(tp_size=2, pp_size=2))
     assert config.is_multi_gpu and config.world_size == 4
+
+
+@pytest.mark.parametrize("algo, kv", [(None, None), ("W8A16", None), ("W4A16", "INT8"), ("W4A16_AWQ", "FP8"),
+                                      ("W8A8_SQ_PER_CHANNEL", None), ("W8A8_SQ_PER_CHANNEL_PER_TOKEN", "INT8"),
+                                      ("FP8", "FP8"), ("FP8_PER_CHANNEL_PER_TOKEN", None)])
+def test_quant_mode_stands_for_quant_algo(algo, kv):
+    from kiln.config.quant import QuantMode
+
+    config = QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv)
+    assert QuantConfig(quant_mode=config.quant_mode) == config          # the seed's constructor, round trip
+    assert config.has_int8_kv_cache() == (kv == "INT8") and config.has_fp8_kv_cache() == (kv == "FP8")
+    assert config.has_fp8_qdq() == (algo or "").startswith("FP8")
+    assert config.is_weight_only() == (algo in ("W8A16", "W4A16", "W4A16_AWQ"))
+    assert isinstance(config.quant_mode, QuantMode)
+
+
+def test_the_seeds_quant_config_methods():
+    from kiln.config.quant import QuantMode
+
+    config = QuantConfig()
+    config.init_from_description(quantize_weights=True, use_int4_weights=True, per_group=True)
+    assert config.quant_algo == "W4A16_AWQ" and config.has_per_group_scaling() and config.is_int4_weight_only()
+    config.set_int8_kv_cache()
+    assert (config.quant_algo, config.kv_cache_quant_algo) == ("W4A16_AWQ", "INT8")
+    config.set_fp8_kv_cache()
+    assert config.kv_cache_quant_algo == "FP8" and not config.has_int8_kv_cache()
+    config.set_fp8_qdq()
+    assert (config.quant_algo, config.kv_cache_quant_algo) == ("FP8", "FP8") and config.has_act_and_weight_quant()
+    config.init_from_description(quantize_weights=True, quantize_activations=True, per_channel=True, per_token=True)
+    assert config.quant_algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN"
+    assert QuantConfig(quant_mode=QuantMode.FP8_QDQ, quantize_lm_head=True).exclude_modules == []
+    with pytest.raises(ValueError, match="has no Kiln quant_algo"):
+        config.init_from_description(quantize_weights=True, quantize_activations=True)      # per-tensor SmoothQuant
+    with pytest.raises(ValueError, match="give quant_mode or quant_algo"):
+        QuantConfig(quant_algo="W8A16", quant_mode=QuantMode.INT8_WEIGHTS)
+    with pytest.raises(AttributeError, match="has_no_such_thing"):
+        config.has_no_such_thing()
+
+
+def test_llm_quantizes_with_a_seed_quant_config(tiny_models):
+    from kiln.config.quant import QuantMode
+
+    hf_dir = str(tiny_models["llama"][0])
+    mode = QuantMode.from_description(quantize_weights=True)                       # int8 weight-only: W8A16
+    with LLM(ModelConfig(hf_dir, quant_config=QuantConfig(quant_mode=mode)), quiet=True) as llm:
+        assert llm.engine.pretrained_config.quantization.quant_algo == "W8A16"
+        assert len(llm.generate([5, 6, 7], GREEDY).token_ids) == 8
