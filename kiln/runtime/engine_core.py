@@ -87,7 +87,7 @@ class EngineCore:
             return NgramDrafter(config)
         if config.method == "eagle":
             self.runner.keep_hidden = True
-            return EagleDrafter(config, self.runner.net, device)
+            return EagleDrafter(config, self.runner, device)
         draft, target = draft_engine.pretrained_config, self.runner.config
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft.vocab_size} tokens, the model's "

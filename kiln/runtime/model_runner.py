@@ -436,8 +436,7 @@ class ModelRunner:
         for request in requests:
             drafts = request.seqs[0].draft_ids
             mine, at = picks[at:at + len(drafts) + 1], at + len(drafts) + 1
-            accepted = next((i for i, (d, t) in enumerate(zip(drafts, mine)) if d != t), len(drafts))
-            result.speculated[request.request_id] = [SampledToken(0, t) for t in drafts[:accepted] + [mine[accepted]]]
+            result.speculated[request.request_id] = [SampledToken(0, t) for t in sampler.greedy_accept(drafts, mine)]
 
     def _verify(self, request: Request, launch: Launch, row_of: dict[int, int], result: ModelStepOutput) -> None:
         """The tokens a speculative step emits for the request's sequence (sampler.verify_drafts)."""

@@ -130,6 +130,13 @@ def plain_greedy(request: Request, seq: Sequence) -> bool:
             and (seq.num_output_tokens >= sampling.min_tokens or not request.stop_ids))
 
 
+def greedy_accept(drafts: list[int], picks: list[int]) -> list[int]:
+    """The tokens a greedy speculative step emits: the drafts while each equals the model's pick (argmax) before
+    it, then the model's own pick (picks: one per draft and one after the last)."""
+    accepted = next((i for i, (d, t) in enumerate(zip(drafts, picks)) if d != t), len(drafts))
+    return drafts[:accepted] + [picks[accepted]]
+
+
 def verify_drafts(rows: torch.Tensor, request: Request, seq: Sequence, generator: torch.Generator | None,
                   normalize_log_probs: bool) -> list[tuple[int, TokenLogprob | None]]:
     """The tokens a speculative step emits for `seq`: rows (k+1, V) are the model's logits after its last token
@@ -146,10 +153,7 @@ def verify_drafts(rows: torch.Tensor, request: Request, seq: Sequence, generator
             if seq.num_output_tokens + i < sampling.min_tokens:
                 rows[i, torch.tensor(sorted(request.stop_ids), device=rows.device)] = float("-inf")
     if sampling.greedy:
-        picks = rows.argmax(-1).tolist()
-        accepted = next((i for i, (d, t) in enumerate(zip(drafts, picks)) if d != t), len(drafts))
-        tokens = drafts[:accepted] + [picks[accepted]]
-        kept = rows
+        tokens, kept = greedy_accept(drafts, rows.argmax(-1).tolist()), rows
     else:
         kept = torch.stack([filtered_logits(row, sampling) for row in rows])
         if not torch.isfinite(kept).any(-1).all():

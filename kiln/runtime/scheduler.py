@@ -142,14 +142,21 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            while not self.kv.allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    return self.max_num_tokens - out.num_tokens, True
+            if not self._allocate_or_preempt(request, seq, n, out):
+                return self.max_num_tokens - out.num_tokens, True
             out.scheduled.append((request, seq, n))
             budget -= n
         return budget, False
+
+    def _allocate_or_preempt(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for n more tokens of `seq`, preempting the newest running requests until they fit; False when
+        `request` itself was preempted (the step is then built without it)."""
+        while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
 
     def _schedule_drafts(self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """A generating sequence with draft tokens: its last token and as many drafts as the budget leaves."""
@@ -160,11 +167,8 @@ class Scheduler:
         if budget == 0:
             return budget, False
         n = 1 + len(seq.draft_ids)
-        while not self.kv.allocate(seq, seq.num_computed_tokens + n):
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is request:
-                return self.max_num_tokens - out.num_tokens, True
+        if not self._allocate_or_preempt(request, seq, n, out):
+            return self.max_num_tokens - out.num_tokens, True
         out.scheduled.append((request, seq, n))
         return budget - n, False
 

@@ -19,7 +19,8 @@ from .request import Request, Sequence
 from .scheduler import SchedulerOutput
 from .step import Step
 
-DRAFT_SAMPLES = 1 << 20     # the draft model's generator of a request: seeded apart from the sampler's (sample 0)
+DRAFT_SAMPLES = 1 << 20     # the sample index of a request's drafting generator: seeded apart from its samples'
+                            # (ModelRunner._generator)
 
 
 def draft_room(request: Request, seq: Sequence, max_draft_len: int) -> int:
@@ -87,7 +88,7 @@ class DraftModelDrafter:
             going = [(r, s, m) for r, s, m, k in ready if k > step]
             rows = self._forward([(m, 1) for _, _, m in going], logits=True)
             for (request, seq, mirror), row in zip(going, rows):
-                token, q = self._draw(request, row)
+                token, q = draw(request, row, self.runner._generator(request, DRAFT_SAMPLES))
                 seq.draft_ids.append(token)
                 mirror.token_ids.append(token)
                 if q is not None:
@@ -140,17 +141,6 @@ class DraftModelDrafter:
             mirror.num_computed_tokens += n
         return out.float() if logits else None
 
-    def _draw(self, request: Request, row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token from the draft model's logits `row`, and the distribution it was drawn from (None:
-        greedy). A row without a finite logit drafts token 0, certainly."""
-        sampling, row = request.sampling, sampler.finite_logits(row)
-        kept = sampler.filtered_logits(row, sampling) if not sampling.greedy else row
-        if sampling.greedy or not torch.isfinite(kept).any():
-            token = int(row.argmax())
-            return token, None if sampling.greedy else torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).float()
-        q = kept.softmax(-1)
-        return int(torch.multinomial(q, 1, generator=self.runner._generator(request, DRAFT_SAMPLES))[0]), q
-
     def release(self, request: Request) -> None:
         for seq in request.all_seqs():
             mirror = self.mirrors.pop(seq.seq_id, None)
@@ -161,19 +151,32 @@ class DraftModelDrafter:
         self.runner.close()
 
 
+def draw(request: Request, row: torch.Tensor, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A draft token from a drafter's logits `row` and the distribution it was drawn from (None: greedy); drawn
+    after the request's temperature/top-k/top-p with `generator`. A row with no finite logit left drafts its argmax,
+    certainly (a one-hot distribution)."""
+    sampling, row = request.sampling, sampler.finite_logits(row.float())
+    kept = row if sampling.greedy else sampler.filtered_logits(row, sampling)
+    if sampling.greedy or not torch.isfinite(kept).any():
+        token = row.argmax()
+        return int(token), None if sampling.greedy else torch.nn.functional.one_hot(token, row.shape[-1]).float()
+    q = kept.softmax(-1)
+    return int(torch.multinomial(q, 1, generator=generator)[0]), q
+
+
 class EagleDrafter:
     """EAGLE: a head (kiln.models.eagle) predicts the model's next hidden state from its last one and the next
     token's embedding; the model's LM head reads a draft token off each prediction, which feeds the next. The head
     keeps, per sequence, a KV cache over the positions whose hidden state the model computed (observe() collects
     them after each step); drafting extends it for the moment only."""
 
-    def __init__(self, config: SpeculativeConfig, net, device: torch.device):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, device: torch.device):
+        """runner: the model's (its network's embedding and LM head; its generators, for sampled drafts)."""
         from kiln.models.eagle import EagleHead
 
-        self.max_draft_len, self.net = config.max_draft_len, net
-        self.head = EagleHead(config.speculative_model, net.config, device)
+        self.max_draft_len, self.runner, self.net = config.max_draft_len, runner, runner.net
+        self.head = EagleHead(config.speculative_model, runner.net.config, device)
         self.states: dict[int, _EagleState] = {}       # seq id → what the head holds of it
-        self.generators: dict[int, torch.Generator] = {}
 
     def observe(self, scheduled, hidden: torch.Tensor | None) -> None:
         """Keep the model's hidden states of a step's tokens (`hidden`: the step's rows, packed as `scheduled`),
@@ -209,7 +212,8 @@ class EagleDrafter:
             return                                                  # no hidden state of the last position
         prediction, cache, probs = prediction[-1:], state.cache, []
         for j in range(k):
-            token, q = self._draw(request, self.net.compute_logits(prediction)[0])
+            token, q = draw(request, self.net.compute_logits(prediction)[0],
+                            self.runner._generator(request, DRAFT_SAMPLES))
             seq.draft_ids.append(token)
             probs += [q] if q is not None else []
             if j + 1 < k:
@@ -223,25 +227,9 @@ class EagleDrafter:
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
         return self.head.forward(self.net.embed(ids), features, torch.tensor(positions, device=device), cache)
 
-    def _draw(self, request: Request, row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        sampling, row = request.sampling, sampler.finite_logits(row.float())
-        if sampling.greedy:
-            return int(row.argmax()), None
-        kept = sampler.filtered_logits(row, sampling)
-        if not torch.isfinite(kept).any():
-            return int(row.argmax()), torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).float()
-        q = kept.softmax(-1)
-        generator = self.generators.get(request.request_id)
-        if generator is None:
-            generator = self.generators[request.request_id] = torch.Generator(device=row.device)
-            seed = request.sampling.random_seed
-            generator.manual_seed(seed + DRAFT_SAMPLES) if seed is not None else generator.seed()
-        return int(torch.multinomial(q, 1, generator=generator)[0]), q
-
     def release(self, request: Request) -> None:
         for seq in request.all_seqs():
             self.states.pop(seq.seq_id, None)
-        self.generators.pop(request.request_id, None)
 
 
 class _EagleState:
