@@ -285,6 +285,8 @@ class LLM:
                              f"{build_limits.max_input_len}: enable_chunked_context=True is needed")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.engine.tokenizer_files)
         self.eos_ids = eos_token_ids(self.tokenizer, self.engine.tokenizer_files)
+        self._sampling_defaults = generation_defaults(self.engine.tokenizer_files)    # read once, checked below
+        self.get_default_sampling_config()
         self.decoding_mode = decoding_mode or DecodingMode.none
         if enable_trt_overlap and self.engine.pretrained_config.mapping.world_size > 1:
             raise ValueError("enable_trt_overlap=True is not supported with tensor/pipeline parallelism yet")
@@ -440,7 +442,7 @@ class LLM:
         recommends (temperature, top_k, top_p, min_p with do_sample; repetition_penalty), as vLLM does; greedy where
         it recommends nothing."""
         try:
-            return SamplingConfig(**generation_defaults(self.engine.tokenizer_files))
+            return SamplingConfig(**self._sampling_defaults)
         except (TypeError, ValueError) as err:
             raise ValueError(f"the model's generation_config.json has sampling settings Kiln cannot use: {err}") from None
 
