@@ -261,7 +261,7 @@ class LLM:
         if enable_trt_overlap and scheduling_policy is not SchedulerPolicy.GUARANTEED_NO_EVICT:
             raise ValueError("enable_trt_overlap=True needs scheduling_policy=GUARANTEED_NO_EVICT (a preempted "
                              "sequence cannot be recomputed while its next token is still on the device)")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _rank0_device(device, parallel_config)
         _check_kv_cache_device(kv_cache_config, self.device)
         _freeze_live_objects()
         self._workers = self._parallel = self._tmp_engine = None
@@ -270,7 +270,7 @@ class LLM:
             _check_launched_engine(model, launched[1])
             if launched[0] > 0:
                 _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
-            self.device = rank_device(self.device.type, 0)
+            self.device = rank_device(self.device.type, 0, (parallel_config or ParallelConfig()).devices)
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
                                   verify=not skip_checksum, revision=revision, quant_config=quant_config,
                                   build_fields=build_fields)
@@ -354,7 +354,8 @@ class LLM:
         if launched:
             init_method = "env://"
         else:
-            self._workers = Workers(self._rank_loader(model), mapping.world_size, self.device.type, parallel.timeout_s)
+            self._workers = Workers(self._rank_loader(model), mapping.world_size, self.device.type, parallel.timeout_s,
+                                    tuple(parallel.devices))
             init_method = self._workers.init_method
         self.engine.weights = {0: self.engine.weights[0]}
         self._parallel = join_ranks(self.engine, self.device, init_method, parallel.timeout_s)
@@ -634,13 +635,35 @@ def _check_launched_engine(model, world_size: int) -> None:
                          f"(WORLD_SIZE={world_size}); start {engine_world}")
 
 
+def _rank0_device(device: str | torch.device | None, parallel: ParallelConfig | None) -> torch.device:
+    """Where rank 0 runs: `device`, or ParallelConfig.devices[0] when the config picks GPUs (checked against
+    `device` and the GPUs this machine has), or the GPU if there is one."""
+    devices = parallel.devices if parallel is not None else []
+    if not devices:
+        return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    asked = torch.device(device if device is not None else "cuda")
+    if asked.type != "cuda" or not torch.cuda.is_available():
+        where = f"device={str(device)!r} was asked" if device is not None else "this machine has no CUDA GPU"
+        raise ValueError(f"ParallelConfig.devices={devices} picks CUDA GPUs, but {where}")
+    if asked.index is not None and asked.index != devices[0]:
+        raise ValueError(f"device={str(device)!r} disagrees with ParallelConfig.devices[0]={devices[0]} (rank 0's "
+                         "GPU): give one of them")
+    count = torch.cuda.device_count()
+    missing = [d for d in devices if d >= count]
+    if missing:
+        raise ValueError(f"ParallelConfig.devices={devices} names GPUs {missing} this machine does not have (it has "
+                         f"{count}: cuda:0..cuda:{count - 1})")
+    torch.cuda.set_device(devices[0])
+    return torch.device("cuda", devices[0])
+
+
 def _serve_launched_worker(model, launched: tuple[int, int], device: torch.device, parallel: ParallelConfig):
     """Rank > 0 of an externally launched run: serve rank 0's steps, then end this process when it stops."""
     from kiln.builder.engine import load_engine_rank
 
     rank, world_size = launched
     serve_steps(rank, world_size, "env://", functools.partial(load_engine_rank, str(model)), device.type,
-                parallel.timeout_s)
+                parallel.timeout_s, tuple(parallel.devices))
     raise SystemExit(0)
 
 

@@ -106,3 +106,47 @@ def test_llm_quantizes_with_a_seed_quant_config(tiny_models):
     with LLM(ModelConfig(hf_dir, quant_config=QuantConfig(quant_mode=mode)), quiet=True) as llm:
         assert llm.engine.pretrained_config.quantization.quant_algo == "W8A16"
         assert len(llm.generate([5, 6, 7], GREEDY).token_ids) == 8
+
+
+def test_parallel_config_devices():
+    assert ParallelConfig(tp_size=2, pp_size=2).get_devices() == [0, 1, 2, 3]        # the seed's default
+    assert ParallelConfig(tp_size=2, devices=[3, 1]).get_devices() == [3, 1]
+    assert ParallelConfig(auto_parallel=True, world_size=2, devices=[1, 0]).get_devices() == [1, 0]
+    with pytest.raises(ValueError, match="names 1 GPUs for 2 ranks"):
+        ParallelConfig(tp_size=2, devices=[0])
+    with pytest.raises(ValueError, match="must be distinct CUDA device indices"):
+        ParallelConfig(tp_size=2, devices=[1, 1])
+
+
+def test_devices_pick_gpus_or_are_refused(tiny_models):
+    import torch
+
+    from kiln.llm import _rank0_device
+
+    hf_dir = str(tiny_models["llama"][0])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"devices=\[0\] picks CUDA GPUs, but this machine has no CUDA GPU"):
+            LLM(hf_dir, parallel_config=ParallelConfig(devices=[0]), quiet=True)
+        return
+    count = torch.cuda.device_count()
+    assert _rank0_device(None, ParallelConfig(devices=[count - 1])) == torch.device("cuda", count - 1)
+    with pytest.raises(ValueError, match="picks CUDA GPUs, but device='cpu' was asked"):
+        _rank0_device("cpu", ParallelConfig(devices=[0]))
+    with pytest.raises(ValueError, match="names GPUs .* this machine does not have"):
+        _rank0_device(None, ParallelConfig(devices=[count]))
+
+
+def test_sampling_config_return_dict(tiny_models):
+    sampling = SamplingConfig(max_new_tokens=6, end_id=-1, pad_id=0, return_dict=True, output_sequence_lengths=True)
+    with LLM(str(tiny_models["llama"][0]), quiet=True) as llm:
+        plain = llm.generate([5, 6, 7], SamplingConfig(max_new_tokens=6, end_id=-1))
+        out = llm.generate([5, 6, 7], sampling)
+        short = llm.generate([5, 6, 7], SamplingConfig(max_new_tokens=6, end_id=plain.token_ids[1], pad_id=0,
+                                                         return_dict=True))
+    assert out.token_ids == plain.token_ids                              # still a GenerationOutput
+    assert out["output_ids"] == [[5, 6, 7] + plain.token_ids] and out["sequence_lengths"] == [9]
+    assert short["output_ids"] == [[5, 6, 7] + plain.token_ids[:2] + [0] * 4] and "sequence_lengths" not in short.keys()
+    with pytest.raises(KeyError, match="only for SamplingConfig.return_dict=True."):
+        plain["output_ids"]
+    with pytest.raises(ValueError, match="set return_dict=True too"):
+        SamplingConfig(output_sequence_lengths=True)

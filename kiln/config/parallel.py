@@ -1,7 +1,7 @@
 """ParallelConfig: how many ranks run a model, and how they split it (the seed's LLM ParallelConfig)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .fields import require, require_positive
 
@@ -24,6 +24,8 @@ class ParallelConfig:
     """With auto_parallel: memory per rank for weights (None: no limit); refused without auto_parallel."""
     timeout_s: float = 120.0
     """A collective that waits longer than this (a dead or hung rank) fails instead of hanging."""
+    devices: list[int] = field(default_factory=list)
+    """CUDA device index of each rank (rank i runs on cuda:devices[i]); empty: ranks 0..N-1 on GPUs 0..N-1."""
 
     def __post_init__(self):
         require_positive("ParallelConfig", tp_size=self.tp_size, pp_size=self.pp_size, world_size=self.world_size,
@@ -35,3 +37,16 @@ class ParallelConfig:
                 f"ranks are tp_size × pp_size = {self.tp_size * self.pp_size}: set auto_parallel=True or tp_size/pp_size")
         require(self.auto_parallel or self.max_memory_mb is None,
                 "ParallelConfig: max_memory_mb limits the search of auto_parallel; set auto_parallel=True or leave it None")
+        self.devices = list(self.devices)
+        ranks = self.world_size if self.auto_parallel else self.tp_size * self.pp_size
+        require(all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.devices)
+                and len(set(self.devices)) == len(self.devices),
+                f"ParallelConfig: devices={self.devices} must be distinct CUDA device indices ≥ 0")
+        require(not self.devices or len(self.devices) == ranks,
+                f"ParallelConfig: devices={self.devices} names {len(self.devices)} GPUs for {ranks} ranks: give one "
+                "device per rank, or none (ranks 0..N-1 on GPUs 0..N-1)")
+
+    def get_devices(self) -> list[int]:
+        """The CUDA device index of each rank."""
+        ranks = self.world_size if self.auto_parallel else self.tp_size * self.pp_size
+        return self.devices if self.devices else list(range(ranks))

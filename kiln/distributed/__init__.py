@@ -13,6 +13,7 @@ import datetime
 import gc
 import os
 import socket
+from collections.abc import Sequence
 
 import torch
 
@@ -125,9 +126,12 @@ def launched_rank() -> tuple[int, int] | None:
     return int(rank), int(world)
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
+def rank_device(device_type: str, rank: int, devices: Sequence[int] = ()) -> torch.device:
+    """The device of `rank` on this host: cuda:devices[local rank] when devices are given (ParallelConfig.devices),
+    else the local rank's GPU; the CPU for device_type "cpu"."""
     if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        index = devices[local] if devices else local % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")

@@ -368,7 +368,8 @@ class GenerationExecutor:
                                  request.num_draft_tokens, request.num_accepted_draft_tokens,
                                  request.num_speculative_steps)
         return GenerationOutput(request.request_id, state.prompt, list(request.prompt_token_ids), outputs,
-                                request.finished, metrics, request.num_cached_prompt_tokens, request.context_logits)
+                                request.finished, metrics, request.num_cached_prompt_tokens, request.context_logits,
+                                _runtime_dict(request, outputs))
 
     def _completion(self, state: _RequestState, index: int, seq: Sequence) -> CompletionOutput:
         request, sampling = state.request, state.request.sampling
@@ -394,3 +395,15 @@ class GenerationExecutor:
             logprobs=list(seq.logprobs) if sampling.logprobs is not None else None, text_diff=text_diff,
             token_ids_diff=token_diff, padded_token_ids=tokens + [pad] * (sampling.max_new_tokens - len(tokens)),
             generation_logits=logits)
+
+
+def _runtime_dict(request, outputs: list[CompletionOutput]) -> dict | None:
+    """TensorRT-LLM's runtime output dict of a request that asked for it (SamplingConfig.return_dict)."""
+    sampling = request.sampling
+    if not sampling.return_dict:
+        return None
+    prompt = list(request.prompt_token_ids)
+    result = {"output_ids": [prompt + c.padded_token_ids for c in outputs]}
+    if sampling.output_sequence_lengths:
+        result["sequence_lengths"] = [len(prompt) + len(c.token_ids) for c in outputs]
+    return result

@@ -87,6 +87,17 @@ class GenerationOutput:
     """Prompt tokens whose KV cache came from the prefix cache instead of being computed."""
     context_logits: torch.Tensor | None = None
     """(prompt_len, vocab) float32 when the engine was built with gather_context_logits."""
+    runtime_dict: dict | None = None
+    """With SamplingConfig(return_dict=True): output_ids (and sequence_lengths), read as output[key]."""
+
+    def __getitem__(self, key: str):
+        if self.runtime_dict is None:
+            raise KeyError(f"{key!r}: a GenerationOutput answers as a dict only for SamplingConfig(return_dict=True); "
+                           "read its attributes (text, token_ids, outputs)")
+        return self.runtime_dict[key]
+
+    def keys(self):
+        return (self.runtime_dict or {}).keys()
 
     # The first (or only) completion, for the common n = 1 case.
     @property

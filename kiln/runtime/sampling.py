@@ -70,6 +70,11 @@ class SamplingConfig:
     finished ones (scored at the current length); "never" also considers the longest possible length."""
     logprobs: int | None = None
     """Return the log-probability of each chosen token and of the this-many most likely tokens (0: chosen only)."""
+    return_dict: bool = False
+    """The output also answers as TensorRT-LLM's runtime dict: output["output_ids"], one list per sample or beam of
+    the prompt and generated tokens padded with pad_id to prompt + max_new_tokens."""
+    output_sequence_lengths: bool = False
+    """With return_dict: output["sequence_lengths"] too, the prompt + generated length of each sample or beam."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -99,6 +104,9 @@ class SamplingConfig:
             self._bad("stop_token_ids", "must be token ids ≥ 0")
         if self.num_beams > 1 and self.n > 1:
             self._bad("n", "must be 1 with beam search (num_beams > 1)")
+        if self.output_sequence_lengths and not self.return_dict:
+            self._bad("output_sequence_lengths", "adds sequence_lengths to the dict form of the output: set "
+                      "return_dict=True too")
 
     def _check_floats(self):
         """Every float setting is a finite number, and not a float32 denormal (arithmetic with one overflows)."""

@@ -46,11 +46,12 @@ def join_ranks(engine, device: torch.device, init_method: str, timeout_s: float)
                               getattr(torch, config.dtype) if custom else None)
 
 
-def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_type: str, timeout_s: float) -> None:
+def serve_steps(rank: int, world_size: int, init_method: str, load_rank, device_type: str, timeout_s: float,
+                devices: tuple[int, ...] = ()) -> None:
     """A worker rank: load its shard, size its KV cache as rank 0 says, then run every step rank 0 broadcasts
     until told to stop."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    device = rank_device(device_type, rank)
+    device = rank_device(device_type, rank, devices)
     engine = load_rank(rank, device)
     mapping = engine.pretrained_config.mapping
     if mapping.world_size != world_size or mapping.rank != rank:
@@ -85,10 +86,10 @@ def _opened(engine, source: str):
 
 
 def worker_main(rank: int, world_size: int, init_method: str, load_rank, device_type: str, timeout_s: float,
-                errors) -> None:
+                errors, devices: tuple[int, ...] = ()) -> None:
     """Entry point of a spawned worker: serve_steps, with any failure reported to rank 0 through `errors`."""
     try:
-        serve_steps(rank, world_size, init_method, load_rank, device_type, timeout_s)
+        serve_steps(rank, world_size, init_method, load_rank, device_type, timeout_s, devices)
     except BaseException:  # noqa: BLE001 - rank 0 shows this to the user
         errors.put((rank, traceback.format_exc()))
         raise
@@ -97,7 +98,7 @@ def worker_main(rank: int, world_size: int, init_method: str, load_rank, device_
 class Workers:
     """The worker processes of one LLM on this host (ranks 1..world-1), and what they reported on failure."""
 
-    def __init__(self, load_rank, world_size: int, device_type: str, timeout_s: float):
+    def __init__(self, load_rank, world_size: int, device_type: str, timeout_s: float, devices: tuple[int, ...] = ()):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -105,7 +106,7 @@ class Workers:
         self.errors = ctx.SimpleQueue()
         self.processes = [ctx.Process(target=worker_main, daemon=True, name=f"kiln-rank{rank}",
                                       args=(rank, world_size, self.init_method, load_rank, device_type, timeout_s,
-                                            self.errors))
+                                            self.errors, devices))
                           for rank in range(1, world_size)]
         for process in self.processes:
             process.start()
