@@ -21,6 +21,7 @@ from kiln.models import PretrainedModel, model_class
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import GenerationExecutor, GenerationResult
 from kiln.runtime.outputs import GenerationOutput
+from kiln.runtime.prompt_table import PromptTable, make_prompt_table
 from kiln.runtime.request import LoRARequest, Request
 from kiln.runtime.sampling import DecodingMode, SamplingConfig
 from kiln.runtime.workers import STOP, Workers, check_runnable, join_ranks, serve_steps
@@ -288,6 +289,7 @@ class LLM:
         self._sampling_defaults = generation_defaults(self.engine.tokenizer_files)    # read once, checked below
         self.get_default_sampling_config()
         self.decoding_mode = decoding_mode or DecodingMode.none
+        self._max_prompt_rows = self.engine.build_config.max_prompt_embedding_table_size
         if enable_trt_overlap and self.engine.pretrained_config.mapping.world_size > 1:
             raise ValueError("enable_trt_overlap=True is not supported with tensor/pipeline parallelism yet")
         if self.engine.pretrained_config.mapping.world_size > 1:
@@ -389,29 +391,38 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_config: SamplingConfig | Sequence[SamplingConfig] | None = None,
                  use_tqdm: bool | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None):
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 prompt_table=None, prompt_tasks: int | Sequence[int | None] | None = None):
         """Generate for one prompt (→ one GenerationOutput) or a list of prompts (→ a list, in order).
 
         A prompt is text or a list of token ids; `sampling_config` is one config or one per prompt; `lora_request`
-        one LoRA adapter for all, or one per prompt (None: the base model). Every prompt (and adapter) is validated
-        before any is submitted. A progress bar shows for large batches (or with use_tqdm=True)."""
+        one LoRA adapter for all, or one per prompt (None: the base model). `prompt_table` (prompt tuning; the engine
+        built with max_prompt_embedding_table_size): a (rows, hidden_size) tensor of embeddings, or (tasks, rows,
+        hidden_size) with `prompt_tasks` picking a task — one for all prompts or one per prompt (None: none); prompt
+        token id vocab_size + i stands for row i. Every prompt (and adapter, table) is validated before any is
+        submitted. A progress bar shows for large batches (or with use_tqdm=True)."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
                                               and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
         configs = self._configs(sampling_config, len(prompt_list))
         loras = self._loras(lora_request, len(prompt_list))
-        requests = [self._make_request(p, c, lora) for p, c, lora in zip(prompt_list, configs, loras)]
+        tables = self._prompt_tables(prompt_table, prompt_tasks, len(prompt_list))
+        requests = [self._make_request(p, c, lora, table)
+                    for p, c, lora, table in zip(prompt_list, configs, loras, tables)]
         results = [self._executor.submit(r, p, streaming=False) for r, p in zip(requests, prompt_list)]
         show = len(results) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
         outputs = [r.result() for r in _progress(results, show)]
         return outputs[0] if single else outputs
 
     def generate_async(self, prompt: Prompt, sampling_config: SamplingConfig | None = None,
-                       streaming: bool = False, lora_request: LoRARequest | None = None) -> GenerationResult:
-        """Submit one prompt (under the LoRA adapter `lora_request`, if given); returns at once. `await` the result,
-        `async for` its streamed outputs (each with text_diff / token_ids_diff), or call `.result()`; `.abort()`
-        stops it."""
-        request = self._make_request(prompt, sampling_config or self.get_default_sampling_config(), lora_request)
+                       streaming: bool = False, lora_request: LoRARequest | None = None,
+                       prompt_table=None, prompt_tasks: int | None = None) -> GenerationResult:
+        """Submit one prompt (under the LoRA adapter `lora_request`, with the prompt table `prompt_table`, as in
+        generate); returns at once. `await` the result, `async for` its streamed outputs (each with text_diff /
+        token_ids_diff), or call `.result()`; `.abort()` stops it."""
+        table = self._prompt_tables(prompt_table, prompt_tasks, 1)[0]
+        request = self._make_request(prompt, sampling_config or self.get_default_sampling_config(), lora_request,
+                                     table)
         return self._executor.submit(request, prompt, streaming)
 
     def abort(self, request_id: int) -> None:
@@ -503,7 +514,22 @@ class LLM:
             raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
         return loras
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _prompt_tables(self, prompt_table, prompt_tasks, n: int) -> list[PromptTable | None]:
+        """One checked PromptTable (or None) per prompt."""
+        tables = list(prompt_table) if isinstance(prompt_table, (list, tuple)) else [prompt_table] * n
+        tasks = list(prompt_tasks) if isinstance(prompt_tasks, (list, tuple)) else [prompt_tasks] * n
+        if len(tables) != n or len(tasks) != n:
+            raise ValueError(f"{len(tables)} prompt tables and {len(tasks)} prompt tasks for {n} prompts: give one "
+                             "for all or one per prompt")
+        if prompt_table is None and prompt_tasks is not None:
+            raise ValueError("prompt_tasks picks a task of a prompt_table; no prompt_table was given")
+        config = self.config
+        return [None if table is None else make_prompt_table(
+                    table, task, hidden_size=config.hidden_size, dtype=getattr(torch, config.dtype),
+                    max_rows=self._max_prompt_rows, vocab_size=config.vocab_size)
+                for table, task in zip(tables, tasks)]
+
+    def _encode(self, prompt: Prompt, table: PromptTable | None = None) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids instead of text")
@@ -511,23 +537,26 @@ class LLM:
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
             vocab = self.config.vocab_size
-            if not (set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) and max(ids) < vocab)):
+            top = vocab + (0 if table is None else len(table.rows))
+            if not (set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) and max(ids) < top)):
                 # (the check above runs at C speed: a Python pass over the ids cost 85 µs a 128-token prompt)
-                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < top]
                 if bad:
-                    raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+                    rows = "" if table is None else f" or the prompt table's ids [{vocab}, {top})"
+                    raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab}){rows}")
         else:
             raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         return ids
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingConfig, lora: LoRARequest | None = None) -> Request:
+    def _make_request(self, prompt: Prompt, sampling: SamplingConfig, lora: LoRARequest | None = None,
+                      table: PromptTable | None = None) -> Request:
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling_config must be a SamplingConfig, got {type(sampling).__name__}")
         if lora is not None and not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest (or None), got {type(lora).__name__}")
-        ids, build_limits = self._encode(prompt), self.build_config
+        ids, build_limits = self._encode(prompt, table), self.build_config
         if len(ids) > build_limits.max_input_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the engine's max_input_len="
                              f"{build_limits.max_input_len}")
@@ -551,7 +580,8 @@ class LLM:
         end_ids = self.eos_ids if sampling.end_id is None else ([] if sampling.end_id == -1 else [sampling.end_id])
         if lora is not None and lora.path is None:
             lora = self._stored_adapter(lora)
-        request = Request(self._next_request_id + 1, ids, sampling, frozenset(end_ids), lora_request=lora)
+        request = Request(self._next_request_id + 1, ids, sampling, frozenset(end_ids), lora_request=lora,
+                          prompt_table=table)
         self.core.scheduler.check_fits(request)
         if lora is not None:
             self.core.runner.lora.register(lora)         # read and checked now: a bad adapter fails this call

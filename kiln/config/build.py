@@ -190,7 +190,8 @@ class BuildConfig:
     opt_num_tokens: int | None = None
     """Token count to optimise kernels for."""
     max_prompt_embedding_table_size: int = 0
-    """Rows of the prompt-tuning embedding table; 0 disables prompt tuning."""
+    """Most rows of a request's prompt embedding table (prompt tuning, or embeddings made elsewhere: prompt token id
+    vocab_size + i stands for row i of the request's table); 0 refuses prompt tables."""
     gather_context_logits: bool = False
     """Return the logits of every prompt position."""
     gather_generation_logits: bool = False
@@ -269,7 +270,10 @@ class BuildConfig:
                 "BuildConfig.profiling_verbosity='detailed' only details visualize_network's network.txt: set "
                 "visualize_network, or leave profiling_verbosity at layer_names_only")
         reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
-        reject_unsupported(self, ["max_prompt_embedding_table_size"], "prompt tuning is not implemented yet")
+        require(isinstance(self.max_prompt_embedding_table_size, int)
+                and not isinstance(self.max_prompt_embedding_table_size, bool) and self.max_prompt_embedding_table_size >= 0,
+                "BuildConfig.max_prompt_embedding_table_size must be a whole number >= 0, got "
+                f"{self.max_prompt_embedding_table_size!r}")
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
         require(isinstance(self.max_draft_len, int) and not isinstance(self.max_draft_len, bool)
                 and self.max_draft_len >= 0,

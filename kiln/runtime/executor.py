@@ -321,7 +321,7 @@ class GenerationExecutor:
             return
         text = state.texts.get(seq.seq_id)
         if text is None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.text_prompt_ids) if self.tokenizer else None
             text = state.texts[seq.seq_id] = _SeqText(detokenizer)
         if text.detokenizer is None or text.done:
             return

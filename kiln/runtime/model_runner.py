@@ -19,6 +19,7 @@ from . import sampler
 from .beam_search import beams_to_keep
 from .kernel_cache import count_entries, install
 from .lora import LoraManager
+from .prompt_table import take_table_rows
 from .request import PENDING_TOKEN, Request, Sequence, may_speculate
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
 from .step import Step, split_step
@@ -229,10 +230,11 @@ class ModelRunner:
         drafted = [(i, seq) for i, (_, seq, _) in enumerate(out.scheduled) if seq.draft_ids]
         draft_rows = [row for i, seq in drafted for row in range(starts[i + 1] - 1 - len(seq.draft_ids),
                                                                   starts[i + 1] - 1)]
+        embeds = take_table_rows(out.scheduled, ids, starts)
         step = Step(out.block_copies, ids, positions, slots, starts, seq_lens, tables,
                     max(n for _, _, n in out.scheduled), max(seq_lens),
                     [starts[i + 1] - 1 for i in ends] + [row for _, rows in context for row in rows] + draft_rows,
-                    *self._lora_slots(out))
+                    *self._lora_slots(out), prompt_embeds=embeds)
         if self.parallel is not None:
             self.parallel.broadcast(step)
         fill = self._pending_inputs(out, starts, previous)
@@ -294,7 +296,8 @@ class ModelRunner:
         tokens) to put into the input ids on the device (tokens not on the host yet)."""
         n = len(step.input_ids)
         if (self.graphs is not None and step.max_query_len == 1 and len(step.logit_rows) == n
-                and self.graphs.fits(n) and (step.lora_slots is None or self.graphs.lora_slots)):
+                and self.graphs.fits(n) and (step.lora_slots is None or self.graphs.lora_slots)
+                and step.prompt_embeds is None):
             self._copy_blocks(step.block_copies)
             logits = self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                                      step.block_tables, long=step.max_seq_len > self.net.ops.long_context, fill=fill,
@@ -313,9 +316,19 @@ class ModelRunner:
         input_ids = self._tensor(step.input_ids)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
-        hidden = self.net(input_ids, self._tensor(step.positions), self._metadata(step), self.kv_caches)
+        hidden = self.net(input_ids, self._tensor(step.positions), self._metadata(step), self.kv_caches,
+                          self._input_embeds(input_ids, step))
         self.last_hidden = hidden if self.keep_hidden else None
         return self._logits(hidden, step)
+
+    def _input_embeds(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """The step's token embeddings with its prompt-table rows put in; None (the network embeds) without."""
+        if step.prompt_embeds is None:
+            return None
+        positions, rows = step.prompt_embeds
+        embeds = self.net.embed(input_ids)
+        embeds[self._tensor(positions)] = rows.to(self.device, embeds.dtype, non_blocking=True)
+        return embeds
 
     def _metadata(self, step: Step) -> AttentionMetadata:
         width = max(len(t) for t in step.block_tables)
@@ -342,10 +355,10 @@ class ModelRunner:
         self._copy_blocks(step.block_copies)
         micro_batches, in_flight = split_step(step, self.config.mapping.pp_size), []
         for sub, _ in micro_batches:
-            hidden_in = None if dims.first_stage else parallel.recv_hidden(len(sub.input_ids),
-                                                                           self.config.hidden_size, dtype)
-            hidden = self.net(self._tensor(sub.input_ids), self._tensor(sub.positions), self._metadata(sub),
-                              self.kv_caches, hidden_in)
+            input_ids = self._tensor(sub.input_ids)
+            hidden_in = self._input_embeds(input_ids, sub) if dims.first_stage else parallel.recv_hidden(
+                len(sub.input_ids), self.config.hidden_size, dtype)
+            hidden = self.net(input_ids, self._tensor(sub.positions), self._metadata(sub), self.kv_caches, hidden_in)
             sent = parallel.send_hidden(hidden) if not dims.last_stage else \
                 parallel.send_logits(self._logits(hidden, sub))
             in_flight.append(sent)

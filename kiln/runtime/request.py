@@ -11,8 +11,12 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from .prompt_table import PromptTable
 
 _seq_ids = itertools.count()
 
@@ -142,6 +146,7 @@ class Request:
     generation_logits: list = field(default_factory=list)
     error: Exception | None = None          # why processing this request failed; the engine ends it alone
     lora_request: LoRARequest | None = None # the adapter it runs under (None: the base model)
+    prompt_table: "PromptTable | None" = None  # its prompt embedding table (kiln.runtime.prompt_table)
     num_draft_tokens: int = 0               # speculative decoding: draft tokens verified,
     num_accepted_draft_tokens: int = 0      # of them accepted,
     num_speculative_steps: int = 0          # in this many steps that verified drafts
@@ -157,8 +162,19 @@ class Request:
 
     @property
     def cache_salt(self) -> bytes:
-        """What keys this request's prefix blocks apart from others' (its adapter's; none for the base model)."""
-        return b"" if self.lora_request is None else self.lora_request.cache_salt
+        """What keys this request's prefix blocks apart from others': its adapter's (none for the base model), and
+        with a prompt table, that table's digest too."""
+        salt = b"" if self.lora_request is None else self.lora_request.cache_salt
+        if self.prompt_table is not None:
+            salt = hashlib.sha256(b"kiln-prompt-table\0" + salt + self.prompt_table.digest).digest()
+        return salt
+
+    @property
+    def text_prompt_ids(self) -> list[int]:
+        """The prompt's ids that are tokens of the vocabulary (not prompt-table rows), for detokenizing."""
+        if self.prompt_table is None:
+            return self.prompt_token_ids
+        return [t for t in self.prompt_token_ids if t < self.prompt_table.first_id]
 
     @property
     def finished(self) -> bool:
@@ -174,8 +190,8 @@ class Request:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether a request's decoding can verify draft tokens: one sequence (no beams, n = 1) and no penalties
-    (they depend on each token before)."""
+    """Whether a request's decoding can verify draft tokens: one sequence (no beams, n = 1), no penalties (they
+    depend on each token before) and no prompt table (drafters would copy or embed its ids)."""
     sampling = request.sampling
     return (len(request.seqs) == 1 and not sampling.use_beam_search and sampling.num_sequences == 1
-            and not sampling.has_penalties)
+            and not sampling.has_penalties and request.prompt_table is None)

@@ -16,7 +16,8 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence, sampling: SamplingConfi
     logits = logits.clone()
     device = logits.device
     if sampling.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(seq.token_ids)), device=device)
+        vocab = logits.shape[-1]
+        ids = torch.tensor(sorted(t for t in set(seq.token_ids) if t < vocab), device=device)  # not prompt-table ids
         seen = logits[ids]
         logits[ids] = torch.where(seen > 0, seen / sampling.repetition_penalty, seen * sampling.repetition_penalty)
     if (sampling.presence_penalty or sampling.frequency_penalty) and seq.num_output_tokens:

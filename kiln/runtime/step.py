@@ -21,6 +21,7 @@ class Step:
     logit_rows: list
     lora_slots: list | None = None  # LoRA adapter slot of each sequence (-1: none); None: no sequence has one
     lora_loads: list = field(default_factory=list)  # (slot, LoRARequest) installed for this step, every rank alike
+    prompt_embeds: tuple | None = None  # (packed positions, (n, hidden) CPU rows) of prompt-table ids; None: none
 
 
 @dataclass
@@ -46,9 +47,14 @@ def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
     for a, b in zip(bounds, bounds[1:]):
         t0, t1 = starts[a], starts[b]
         owned = [j for j, row in enumerate(step.logit_rows) if t0 <= row < t1]
+        embeds = None
+        if step.prompt_embeds is not None:
+            mine = [j for j, p in enumerate(step.prompt_embeds[0]) if t0 <= p < t1]
+            if mine:
+                embeds = ([step.prompt_embeds[0][j] - t0 for j in mine], step.prompt_embeds[1][mine])
         batches.append((Step(step.block_copies if a == 0 else [], step.input_ids[t0:t1], step.positions[t0:t1],
                              step.slot_mapping[t0:t1], [s - t0 for s in starts[a:b + 1]], step.seq_lens[a:b],
                              step.block_tables[a:b], max(starts[i + 1] - starts[i] for i in range(a, b)),
                              max(step.seq_lens[a:b]), [step.logit_rows[j] - t0 for j in owned],
-                             None if step.lora_slots is None else step.lora_slots[a:b]), owned))
+                             None if step.lora_slots is None else step.lora_slots[a:b], prompt_embeds=embeds), owned))
     return batches

@@ -95,7 +95,7 @@ VALUES = {
     "ParallelConfig": {
         "tp_size": (2, {}), "pp_size": (2, {}), "auto_parallel": (True, {}), "world_size": (2, {"auto_parallel": True}),
         "max_memory_mb": (1000, {"auto_parallel": True, "world_size": 2}),
-        "timeout_s": (30.0, {"tp_size": 2}, "serve"),
+        "timeout_s": (30.0, {"tp_size": 2}, "serve"), "devices": ([0], {}, "serve"),
     },
     "PretrainedConfig": {
         "architecture": ("MistralForCausalLM", {}), "dtype": ("bfloat16", {}), "vocab_size": (96, {}),
@@ -139,6 +139,7 @@ VALUES = {
         "top_p": (0.5, {}), "min_p": (0.1, {}), "repetition_penalty": (1.2, {}), "presence_penalty": (0.5, {}),
         "frequency_penalty": (0.5, {}), "random_seed": (3, {"temperature": 1.0}), "n": (2, {}), "num_beams": (2, {}),
         "length_penalty": (0.5, {"num_beams": 2}), "early_stopping": (True, {"num_beams": 2}), "logprobs": (2, {}),
+        "return_dict": (True, {}), "output_sequence_lengths": (True, {"return_dict": True}),
     },
     "ServerConfig": {
         "model_name": ("tiny", {}), "api_key": ("secret", {}), "max_queue": (3, {}), "max_body_bytes": (4096, {}),
