@@ -21,6 +21,8 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   lora        8 random adapters of rank 16 on all seven projections, on an engine with lora_plugin (bf16): batch-1
               decode with one adapter and without, 128/128 throughput over --requests requests spread evenly over
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
+  sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
+              tokens, bf16
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
               probability 1 - alpha), k = 4, bf16: batch-1 tok/s at alpha 0.5..1.0 against decoding without drafts,
               and batch 64 (128/128) with drafts at alpha 0.8 and without
@@ -385,7 +387,34 @@ def quant(args):
                     fp8)
 
 
-PHASES = {"speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+@phase
+def sparsity(args):
+    """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 (torch semi-structured
+    sparsity: cuSPARSELt where available, and CUTLASS)."""
+    from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
+
+    from kiln.kernels.sparse import prune_2_4
+
+    tokens, backends = 2048, [("cutlass", True)]
+    if torch.backends.cusparselt.is_available():
+        backends.insert(0, ("cusparselt", False))
+    log("sparsity_backends", [name for name, _ in backends])
+    for name, out, inp in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
+        weight = prune_2_4(torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02)
+        x = torch.randn(tokens, inp, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * tokens * out * inp
+        with torch.inference_mode():
+            dense = bench._cuda_time(lambda: torch.nn.functional.linear(x, weight), 50)
+            log(f"sparsity_{name}_dense_TFLOPs", round(flops / dense / 1e12, 1))
+            for backend, cutlass in backends:
+                SparseSemiStructuredTensor._FORCE_CUTLASS = cutlass
+                sparse_w = to_sparse_semi_structured(weight)
+                seconds = bench._cuda_time(lambda: torch.nn.functional.linear(x, sparse_w), 50)
+                log(f"sparsity_{name}_{backend}_speedup", round(dense / seconds, 2))
+        del weight, x
+
+
+PHASES = {"sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
           "lora": lora}
 
 

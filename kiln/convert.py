@@ -15,9 +15,11 @@ from typing import Callable
 import torch
 
 from kiln.checkpoint import save_checkpoint
+from kiln.checkpoint.layout import SPARSE_TARGETS
 from kiln.checkpoint.lazy import LazyWeights, with_progress
 from kiln.checkpoint.lora import load_adapter
 from kiln.config import ConvertConfig, Mapping, PretrainedConfig, QuantConfig
+from kiln.kernels.sparse import prune_2_4
 from kiln.models import LlamaForCausalLM, PretrainedModel
 from kiln.quantization import quantize_model, quantized_weights
 from kiln.utils.steps import StepLog
@@ -48,6 +50,8 @@ def convert(model_dir, dtype: str = "auto", convert_config: ConvertConfig | None
     model = _load(model_dir, dtype, convert_config, seed, quiet, lazy=False)
     if convert_config is not None and convert_config.merge_lora:
         model = merge_lora(model, convert_config.merge_lora)
+    if convert_config is not None and convert_config.prune_2_4:
+        model = prune_2_4_model(model)
     return quantize(model, quant_config, 16 if calib_size is None else calib_size, quiet,
                     _round_to_nearest(convert_config))
 
@@ -77,8 +81,9 @@ def rank_reader(model_dir, dtype: str, convert_config: ConvertConfig, quiet: boo
     mapping = _mapping(convert_config)
 
     def rank_model(rank: int) -> PretrainedModel:
-        return LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping.for_rank(rank), quiet=quiet or rank > 0,
-                                                  prepare_config=_preparation(convert_config, model_dir), lazy=lazy)
+        model = LlamaForCausalLM.from_hugging_face(model_dir, dtype, mapping.for_rank(rank), quiet=quiet or rank > 0,
+                                                   prepare_config=_preparation(convert_config, model_dir), lazy=lazy)
+        return prune_2_4_model(model) if convert_config.prune_2_4 else model
 
     return rank_model
 
@@ -111,12 +116,36 @@ def convert_checkpoint(model_dir, output_dir: str | Path, dtype: str = "auto",
         model = _load(model_dir, dtype, convert_config, seed, quiet, lazy=True)
         if convert_config.merge_lora:
             model = merge_lora(model, convert_config.merge_lora)
+        if convert_config.prune_2_4:
+            model = prune_2_4_model(model)
         model = _quantized_lazily(model, convert_config, quiet)
     with log.step(f"Convert and write {mapping.world_size} rank file(s), a layer at a time"):
         model = type(model)(model.config, with_progress(model.weights, "Writing", quiet), model.tokenizer_files)
         path = model.save_checkpoint(output_dir, config_only, mapping, workers, overwrite)
     log.done()
     return path
+
+
+def prune_2_4_model(model: PretrainedModel) -> PretrainedModel:
+    """The model with its decoder projections magnitude-pruned to 2:4 sparsity (layout.SPARSE_TARGETS), each weight
+    as it is made. A sharded model's ranks are pruned alike when each rank's share of an input dimension is a
+    multiple of 4 (the groups of four are never cut)."""
+    if model.config.quantization.quant_algo is not None:
+        raise ValueError("2:4 pruning takes a float model; this one is quantized already (prune, then quantize)")
+    return _transformed(model, lambda name, t: prune_2_4(t) if SPARSE_TARGETS.search(name) else t, "2:4-pruned model")
+
+
+def _transformed(model: PretrainedModel, change: Callable[[str, torch.Tensor], torch.Tensor],
+                 what: str) -> PretrainedModel:
+    """The model with change(name, tensor) applied to each weight as it is made (lazy weights stay lazy)."""
+    weights = model.weights
+    if isinstance(weights, LazyWeights):
+        weights = LazyWeights(weights.specs, weights.unit_names(),
+                              lambda names: {n: change(n, t) for n, t in model.weights.iter_take(names)},
+                              weights.source, weights.device)
+    else:
+        weights = {name: change(name, tensor) for name, tensor in weights.items()}
+    return type(model)(model.config, weights, model.tokenizer_files, source=f"the {what}")
 
 
 def merge_lora(model: PretrainedModel, adapter_dir) -> PretrainedModel:
@@ -137,14 +166,7 @@ def merge_lora(model: PretrainedModel, adapter_dir) -> PretrainedModel:
         out = tensor.float() + part.scale * (part.b.to(tensor.device).float() @ part.a.to(tensor.device).float())
         return out.to(tensor.dtype)
 
-    weights = model.weights
-    if isinstance(weights, LazyWeights):
-        weights = LazyWeights(weights.specs, weights.unit_names(),
-                              lambda names: {n: merged(n, t) for n, t in model.weights.iter_take(names)},
-                              weights.source, weights.device)
-    else:
-        weights = {name: merged(name, tensor) for name, tensor in weights.items()}
-    return type(model)(model.config, weights, model.tokenizer_files, source=f"the model merged with {adapter_dir}")
+    return _transformed(model, merged, f"model merged with {adapter_dir}")
 
 
 def _quantized_lazily(model: PretrainedModel, convert_config: ConvertConfig, quiet: bool) -> PretrainedModel:

@@ -4,9 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kiln.checkpoint.layout import SPARSE_TARGETS
 from kiln.checkpoint.lazy import LazyWeights, meta_tensors
 from kiln.checkpoint.lora import load_adapter
 from kiln.config import BuildConfig, Mapping
+from kiln.kernels.sparse import dense_group
 from kiln.models import PretrainedModel
 from kiln.utils.steps import StepLog
 
@@ -69,6 +71,27 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
     lora = build_config.lora_config
     for adapter in lora.lora_dir if config.mapping.rank == 0 else ():      # read and checked once, not per rank
         load_adapter(adapter, config, lora.max_lora_rank, lora.target_modules, Path(adapter).name)
+    if build_config.weight_sparsity:
+        _check_sparse(model, build_config)
+
+
+def _check_sparse(model: PretrainedModel, build_config: BuildConfig) -> None:
+    """weight_sparsity: float weights, not refittable, and every target weight 2:4 sparse (each read once)."""
+    algo = model.config.quantization.quant_algo
+    if algo is not None:
+        raise ValueError(f"weight_sparsity runs float weights on the sparse path; this model's are quantized ({algo}): "
+                         "build the float checkpoint, or without weight_sparsity")
+    if build_config.use_refit:
+        raise ValueError("weight_sparsity with use_refit is not supported yet (refit copies dense weights in place)")
+    weights = model.weights
+    names = [name for name in weights if SPARSE_TARGETS.search(name)]
+    tensors = weights.iter_take(names) if isinstance(weights, LazyWeights) else ((n, weights[n]) for n in names)
+    for name, tensor in tensors:
+        where = dense_group(tensor)
+        if where is not None:
+            raise ValueError(f"weight_sparsity: {name} is not 2:4 sparse (row {where[0]}, inputs {where[1]}.."
+                             f"{where[1] + 3} hold more than two nonzeros) — a dense checkpoint: prune it with "
+                             "kiln convert --prune_2_4, or build without weight_sparsity")
 
 
 def describe_network(network, verbosity: str) -> str:

@@ -18,6 +18,9 @@ from .sharding import local_dims
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _FLOAT32 = ("weight_scale", "weight_zero", "input_scale", "smoother", "kv_scale")   # quantization parameters
+SPARSE_TARGETS = re.compile(r"layers\.\d+\.(attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+"""The weights 2:4 sparsity applies to (kiln convert --prune_2_4, BuildConfig.weight_sparsity): the decoder's
+projections; not the embedding, LM head, MoE router or experts."""
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 

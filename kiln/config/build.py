@@ -224,7 +224,9 @@ class BuildConfig:
     auto_parallel_config: AutoParallelConfig = field(default_factory=AutoParallelConfig)
     """Automatic parallelism settings."""
     weight_sparsity: bool = False
-    """Use 2:4 structured sparse weights."""
+    """Run the decoder's projections on the 2:4 sparse path (sparse tensor cores on GPUs of compute capability 8.0+
+    in fp16/bf16; CSR products on the CPU in float32): their weights must be 2:4 sparse (kiln convert --prune_2_4),
+    float, and not refittable; the build checks each."""
     plugin_config: PluginConfig = field(default_factory=PluginConfig)
     """Kernel choices."""
     max_encoder_input_len: int = 1024
@@ -278,7 +280,6 @@ class BuildConfig:
         require(isinstance(self.max_draft_len, int) and not isinstance(self.max_draft_len, bool)
                 and self.max_draft_len >= 0,
                 f"BuildConfig.max_draft_len must be a whole number >= 0, got {self.max_draft_len!r}")
-        reject_unsupported(self, ["weight_sparsity"], "sparse weights are not implemented yet")
         reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
 
     def to_dict(self) -> dict[str, Any]:

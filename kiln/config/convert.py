@@ -109,6 +109,10 @@ class ConvertConfig:
     use_embedding_sharing: bool = False
     """Share one table between the embedding and the LM head: Kiln does so for models with tied embeddings
     (set for any other model it is an error)."""
+    prune_2_4: bool = False
+    """Magnitude-prune the decoder's projection weights to 2:4 sparsity (the two largest of every four consecutive
+    inputs kept), after merge_lora and before quantizing: a checkpoint for BuildConfig.weight_sparsity. It costs
+    accuracy unless the model was trained sparse: measure it with kiln eval ppl."""
     merge_lora: str | None = None
     """A Hugging Face PEFT adapter directory merged into the weights (W + scale·B·A on each target projection, in
     float32) before quantizing: the checkpoint is the fine-tuned model, served without LoRA products."""

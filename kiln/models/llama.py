@@ -13,6 +13,7 @@ from kiln.config import PretrainedConfig
 from kiln.kernels import (AttentionMetadata, LoraBatch, NormSite, ReferenceOps, SiluSite, fuse, reference, rope_cos_sin,
                           select_ops)
 from kiln.kernels.fusion import FoldedNorm, Fp8Norm, Fp8Silu, ProductBeforeNorm, stands_for
+from kiln.kernels.sparse import sparse_linear, sparse_weight
 
 from kiln.checkpoint.layout import embedding_shape, expert_shapes, linear_shapes
 from kiln.checkpoint.lazy import (LazyWeights, TensorSpec, iter_take, layer_units, materialize, weight_specs,
@@ -48,14 +49,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora = None     # the LoRA adapters' slots on this layer, a LoraStack (kiln.runtime.lora puts it)
+        self.sparse = False  # the weight is 2:4 sparse, held in its device's sparse representation
+
+    def use_sparse_weight(self, name: str) -> None:
+        """Hold the (2:4 sparse) weight as the sparse path takes it (kiln.kernels.sparse); refused if it is dense."""
+        self.weight = nn.Parameter(sparse_weight(self.weight.data, name), requires_grad=False)
+        self.sparse = True
 
     def forward(self, x, silu: bool = False, lora: LoraBatch | None = None):
         """x W^T + b, plus the step's LoRA products; silu: SiLU(gate)·up of this gate/up projection's output."""
-        if lora is None or self.lora is None:
-            out = self.ops.linear(x, self.weight, self.bias)
-            return self.ops.silu_and_mul(out) if silu else out
-        begun = self.ops.lora_begin(x, lora, self.lora)
-        out = self.ops.lora_finish(self.ops.linear(x, self.weight, self.bias), begun, lora, self.lora)
+        adapters = lora is not None and self.lora is not None
+        begun = self.ops.lora_begin(x, lora, self.lora) if adapters else None   # (overlaps the product below)
+        out = (sparse_linear if self.sparse else self.ops.linear)(x, self.weight, self.bias)
+        if adapters:
+            out = self.ops.lora_finish(out, begun, lora, self.lora)
         return self.ops.silu_and_mul(out) if silu else out
 
 
@@ -287,6 +294,12 @@ class DecoderForCausalLM(nn.Module):
             reference.use_cpu_weight_layout(net)
         net.use_ops(ops or select_ops(device), comm or Comm())
         return net.eval()
+
+    def use_sparse_weights(self) -> None:
+        """Every decoder projection on the 2:4 sparse path (BuildConfig.weight_sparsity); a dense one is refused."""
+        for name, module in self.layers.named_modules():
+            if isinstance(module, Linear):
+                module.use_sparse_weight(f"layers.{name}.weight")
 
     @classmethod
     def empty(cls, config: PretrainedConfig, max_seq_len: int, device: torch.device | str = "cpu"):

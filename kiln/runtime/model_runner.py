@@ -83,6 +83,8 @@ class ModelRunner:
                                                  pdl=plugins.programmatic_dependent_launch,
                                                  refittable=build.use_refit), plugins.cpu_kernels),
             comm=parallel.comm if parallel is not None else None)
+        if build.weight_sparsity:
+            self.net.use_sparse_weights()
         self.tokens_per_block = plugins.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // self.tokens_per_block)
         self.multi_block_mode = plugins.multi_block_mode

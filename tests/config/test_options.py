@@ -84,6 +84,7 @@ VALUES = {
         "per_group": (True, {}), "group_size": (32, {**GPTQ, "group_size": 128}),
         "dataset_cache_dir": ("cache", {}), "disable_weight_only_quant_plugin": (True, {}),
         "load_by_shard": (True, {"tp_size": 2}), "load_model_on_cpu": (False, {}), "merge_lora": ("<tmp>/adapter", {}),
+        "prune_2_4": (True, {}),
         "use_parallel_embedding": (True, {"tp_size": 2}),
         "embedding_sharding_dim": (1, {"tp_size": 2, "use_parallel_embedding": True}),
         "use_embedding_sharing": (True, {}), "workers": (2, {"tp_size": 2}), "save_config_only": (True, {}),

@@ -1,0 +1,68 @@
+"""2:4 sparsity (kiln/kernels/sparse.py): magnitude pruning keeps the two largest of every four inputs, the check
+finds any group with more, and the sparse products — CSR on the CPU, the sparse tensor cores on a GPU — equal a
+float64 product of the pruned weight."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kiln.kernels.sparse import dense_group, prune_2_4, sparse_linear, sparse_weight
+
+
+def test_pruning_keeps_the_two_largest_of_every_four():
+    torch.manual_seed(0)
+    weight = torch.randn(6, 12, dtype=torch.float64)
+    pruned = prune_2_4(weight)
+    for row, start in itertools.product(range(6), range(0, 12, 4)):
+        group = weight[row, start:start + 4].tolist()
+        kept = sorted(range(4), key=lambda i: -abs(group[i]))[:2]
+        expected = [group[i] if i in kept else 0.0 for i in range(4)]
+        assert pruned[row, start:start + 4].tolist() == expected
+    assert dense_group(pruned) is None and dense_group(weight) == (0, 0)
+
+
+def test_the_check_names_the_first_dense_group():
+    weight = prune_2_4(torch.randn(4, 16))
+    weight[2, 9] = weight[2, 8] = weight[2, 10] = 1.0          # three nonzeros in row 2, inputs 8..11
+    assert dense_group(weight) == (2, 8)
+    with pytest.raises(ValueError, match=r"w is not 2:4 sparse \(row 2, inputs 8..11"):
+        sparse_weight(weight, "w")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        prune_2_4(torch.randn(4, 6))
+
+
+def test_cpu_sparse_product_equals_float64():
+    torch.manual_seed(1)
+    weight, bias, x = prune_2_4(torch.randn(48, 64)), torch.randn(48), torch.randn(5, 64)
+    sparse = sparse_weight(weight, "w")
+    assert sparse.layout == torch.sparse_csr and sparse._nnz() == weight.numel() // 2
+    expected = x.double() @ weight.double().T + bias.double()
+    with torch.inference_mode():                                # as the runtime calls it
+        torch.testing.assert_close(sparse_linear(x, sparse, bias).double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sparse_linear(x, sparse, None).double(), expected - bias.double(), rtol=1e-5,
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="on the CPU takes float32/float64 weights"):
+        sparse_weight(weight.bfloat16(), "w")
+
+
+# the 8B shapes' projections (qkv, o, gate/up, down) at 1 .. 2048 tokens
+GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 17, 256, 2048])
+def test_sparse_tensor_core_product_equals_float64(dtype, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(2)
+    for out, inp in GPU_SHAPES[:2] if tokens < 2048 else GPU_SHAPES:
+        weight = prune_2_4(torch.randn(out, inp, device="cuda", dtype=dtype) * 0.02)
+        x = torch.randn(tokens, inp, device="cuda", dtype=dtype)
+        with torch.inference_mode():
+            got = sparse_linear(x, sparse_weight(weight, "w"), None)
+        expected = (x.double() @ weight.double().T)
+        err = (got.double() - expected).abs().max() / expected.abs().max()
+        assert err < 1e-2, f"{out}x{inp} at {tokens} tokens: relative error {err:.2e}"
