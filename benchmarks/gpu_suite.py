@@ -389,16 +389,15 @@ def quant(args):
 
 @phase
 def sparsity(args):
-    """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 (torch semi-structured
-    sparsity: cuSPARSELt where available, and CUTLASS)."""
-    from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
+    """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through torch's
+    semi-structured F.linear (what the runtime calls) and cuSPARSELt called directly (its default algorithm, and
+    the one its search picks for the shape)."""
+    from torch.sparse import to_sparse_semi_structured
 
-    from kiln.kernels.sparse import prune_2_4
+    from kiln.kernels.sparse import prune_2_4, sparse_weight
 
-    tokens, backends = 2048, [("cutlass", True)]
-    if torch.backends.cusparselt.is_available():
-        backends.insert(0, ("cusparselt", False))
-    log("sparsity_backends", [name for name, _ in backends])
+    tokens = 2048
+    log("sparsity_cusparselt", bool(torch.backends.cusparselt.is_available()))
     for name, out, inp in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
         weight = prune_2_4(torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02)
         x = torch.randn(tokens, inp, device="cuda", dtype=torch.bfloat16)
@@ -406,12 +405,27 @@ def sparsity(args):
         with torch.inference_mode():
             dense = bench._cuda_time(lambda: torch.nn.functional.linear(x, weight), 50)
             log(f"sparsity_{name}_dense_TFLOPs", round(flops / dense / 1e12, 1))
-            for backend, cutlass in backends:
-                SparseSemiStructuredTensor._FORCE_CUTLASS = cutlass
-                sparse_w = to_sparse_semi_structured(weight)
-                seconds = bench._cuda_time(lambda: torch.nn.functional.linear(x, sparse_w), 50)
-                log(f"sparsity_{name}_{backend}_speedup", round(dense / seconds, 2))
+            variants = {"runtime": lambda: (lambda w: lambda: torch.nn.functional.linear(x, w))(
+                sparse_weight(weight, name))}
+            if torch.backends.cusparselt.is_available():
+                variants["cslt_alg0"] = lambda: _cslt(weight, x, search=False)
+                variants["cslt_searched"] = lambda: _cslt(weight, x, search=True)
+            for variant, make in variants.items():
+                try:
+                    seconds = bench._cuda_time(make(), 50)
+                    log(f"sparsity_{name}_{variant}_speedup", round(dense / seconds, 2))
+                except Exception as err:  # noqa: BLE001 - one variant failing must not hide the others
+                    log(f"sparsity_{name}_{variant}_error", repr(err)[:300])
         del weight, x
+
+
+def _cslt(weight, x, search: bool):
+    """x W^T as one cuSPARSELt product of the compressed weight (transposed result fused), with its algorithm
+    searched for this shape or the default."""
+    compressed = torch._cslt_compress(weight)
+    alg = torch._cslt_sparse_mm_search(compressed, x.t(), transpose_result=True) if search else 0
+    log(f"sparsity_cslt_alg_{tuple(weight.shape)}_{search}", alg)
+    return lambda: torch._cslt_sparse_mm(compressed, x.t(), transpose_result=True, alg_id=alg)
 
 
 PHASES = {"sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,

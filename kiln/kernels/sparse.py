@@ -53,6 +53,9 @@ def sparse_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
             raise ValueError(f"weight_sparsity on a GPU takes float16/bfloat16 weights; {name} is {weight.dtype}")
         from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
 
+        if major >= 9 and not _has_cusparselt():
+            raise ValueError("weight_sparsity on this GPU needs cuSPARSELt (torch's CUTLASS sparse kernels run on "
+                             "compute capability 8.x only), and this torch has none")
         SparseSemiStructuredTensor._FORCE_CUTLASS = not _has_cusparselt()
         try:
             return to_sparse_semi_structured(weight.contiguous())
