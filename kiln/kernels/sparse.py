@@ -79,8 +79,8 @@ def _has_cusparselt() -> bool:
 def sparse_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for a weight of sparse_weight (CSR products run as W x^T: torch's sparse linear refuses tensors
     made under inference mode)."""
-    if weight.layout != torch.sparse_csr:
-        return F.linear(x, weight, bias)
+    if weight.layout != torch.sparse_csr:       # semi-structured: the product comes transposed; kernels want rows
+        return F.linear(x, weight, bias).contiguous()
     flat = x.reshape(-1, x.shape[-1]).T
     out = torch.sparse.mm(weight, flat) if bias is None else torch.addmm(bias[:, None], weight, flat)
     return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
