@@ -21,6 +21,8 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   lora        8 random adapters of rank 16 on all seven projections, on an engine with lora_plugin (bf16): batch-1
               decode with one adapter and without, 128/128 throughput over --requests requests spread evenly over
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
+  context_attention  causal prompt attention TFLOP/s at 1k..32k tokens, GQA 8:1, bf16 and FP8 caches: Kiln's
+              kernel (a few tile choices) beside torch's SDPA flash backend and varlen flash attention
   sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
               tokens, bf16
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
@@ -428,7 +430,72 @@ def _cslt(weight, x, search: bool):
     return lambda: torch._cslt_sparse_mm(compressed, x.t(), transpose_result=True, alg_id=alg)
 
 
-PHASES = {"sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+CONTEXT_VARIANTS = {                # Kiln's prompt attention: (keys per tile, (warps, stages), query rows a program)
+    "kiln": (None, None, 64), "kiln_t128": (128, (8, 2), 64), "kiln_r128": (64, (8, 2), 128),
+    "kiln_r128_t128": (128, (8, 3), 128),
+}
+
+
+@phase
+def context_attention(args):
+    """Causal prompt attention TFLOP/s, one sequence of 1k..32k tokens, 32 query heads over 4 KV heads (GQA 8:1) of
+    128: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches) beside torch's SDPA flash backend
+    on contiguous q/k/v, and torch's varlen flash attention over the same paged cache where this torch has it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    heads, kv_heads, dim, block = 32, 4, 128, 64
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    log("context_varlen_attn", varlen_attn is not None)
+    for n in CONTEXT_LENGTHS:
+        flops = 2 * n * n * heads * dim                                # causal: half of 4·N²·H·D
+        q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
+        blocks = torch.randperm(n // block, device="cuda")
+        cache = torch.randn(2, n // block, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        tables, lens = blocks[None].clone(), torch.tensor([n], device="cuda")
+        starts = torch.tensor([0, n], device="cuda")
+        scale = dim ** -0.5
+        rate = lambda seconds: round(flops / seconds / 1e12, 1)  # noqa: E731
+        with torch.inference_mode():
+            for name, (tile, launch, rows) in CONTEXT_VARIANTS.items():
+                for kv, kv_cache, kv_scale in (("bf16", cache, None),
+                                               ("fp8", cache.to(torch.float8_e4m3fn),
+                                                torch.ones(2, device="cuda"))):
+                    try:
+                        seconds = bench._cuda_time(lambda: paged_attention(
+                            q, kv_cache, tables, lens, starts, n, scale, None, tile=tile, warps_stages=launch,
+                            kv_scale=kv_scale, block_rows=rows), 5)
+                        log(f"context_{n}_{name}_{kv}_TFLOPs", rate(seconds))
+                    except Exception as err:  # noqa: BLE001 - a variant that does not compile must not hide the rest
+                        log(f"context_{n}_{name}_{kv}_error", repr(err)[:300])
+            k = cache[0][blocks].reshape(n, kv_heads, dim)       # the sequence's keys in order (block i: blocks[i])
+            v = cache[1][blocks].reshape(n, kv_heads, dim)
+            qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                seconds = bench._cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True), 5)
+            log(f"context_{n}_sdpa_flash_TFLOPs", rate(seconds))
+            if varlen_attn is not None:
+                for paged in (False, True):
+                    try:
+                        kw = dict(block_table=tables.int(), seqused_k=lens.int()) if paged else {}
+                        kk, vv = (cache[0], cache[1]) if paged else (k, v)
+                        seconds = bench._cuda_time(lambda: varlen_attn(
+                            q, kk, vv, starts.int(), starts.int(), n, n, scale=scale, window_size=(-1, 0),
+                            enable_gqa=True, **kw), 5)
+                        log(f"context_{n}_varlen_{'paged' if paged else 'packed'}_TFLOPs", rate(seconds))
+                    except Exception as err:  # noqa: BLE001
+                        log(f"context_{n}_varlen_{'paged' if paged else 'packed'}_error", repr(err)[:300])
+        del q, cache
+        torch.cuda.empty_cache()
+
+
+PHASES = {"context_attention": context_attention, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
           "lora": lora}
 
 

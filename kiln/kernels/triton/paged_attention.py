@@ -237,13 +237,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, sliding_window: int | None,
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, warps_stages: tuple[int, int] | None = None,
-                    word_loads: bool | None = None, mma: bool = True, launch: dict | None = None) -> torch.Tensor:
+                    word_loads: bool | None = None, mma: bool = True, launch: dict | None = None,
+                    block_rows: int = 64) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
     tile (keys per iteration), warps_stages (num_warps, num_stages) and word_loads default to attention_config's.
     A decode step over an 8-bit cache goes to mma_decode_attention where it takes it (mma=False: to the Triton
-    kernel, which the tests compare it with)."""
+    kernel, which the tests compare it with). block_rows: query rows (tokens × the KV head's query heads) a prompt
+    program holds."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words = attention_config(max_query_len, kv_cache.dtype)
@@ -252,7 +254,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     launch = launch_args(launch)
     group = heads // kv_heads
     group_pad = max(1, triton.next_power_of_2(group))
-    block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
+    block_q = 1 if max_query_len == 1 else max(1, block_rows // group_pad)
     block_q = max(block_q, triton.cdiv(16, group_pad))                  # tl.dot needs at least 16 rows
     one_warp = (mma and max_query_len == 1 and kv_scale is not None
                 and decode_mma(kv_cache.dtype, dim, group, tokens_per_block, q.device))
