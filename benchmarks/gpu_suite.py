@@ -431,9 +431,9 @@ def _cslt(weight, x, search: bool):
 
 
 CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-CONTEXT_VARIANTS = {                # Kiln's prompt attention: (keys per tile, (warps, stages), query rows a program)
-    "kiln": (None, None, 64), "kiln_t128": (128, (8, 2), 64), "kiln_r128": (64, (8, 2), 128),
-    "kiln_r128_t128": (128, (8, 3), 128),
+CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stages), query rows a program, causal split)
+    "kiln": (None, None, 64, False), "kiln_split": (None, None, 64, True), "kiln_t128": (128, (8, 2), 64, True),
+    "kiln_r128": (64, (8, 2), 128, True), "kiln_r128_t128": (128, (8, 3), 128, True),
 }
 
 
@@ -462,14 +462,14 @@ def context_attention(args):
         scale = dim ** -0.5
         rate = lambda seconds: round(flops / seconds / 1e12, 1)  # noqa: E731
         with torch.inference_mode():
-            for name, (tile, launch, rows) in CONTEXT_VARIANTS.items():
+            for name, (tile, launch, rows, split) in CONTEXT_VARIANTS.items():
                 for kv, kv_cache, kv_scale in (("bf16", cache, None),
                                                ("fp8", cache.to(torch.float8_e4m3fn),
                                                 torch.ones(2, device="cuda"))):
                     try:
                         seconds = bench._cuda_time(lambda: paged_attention(
                             q, kv_cache, tables, lens, starts, n, scale, None, tile=tile, warps_stages=launch,
-                            kv_scale=kv_scale, block_rows=rows), 5)
+                            kv_scale=kv_scale, block_rows=rows, causal_split=split), 5)
                         log(f"context_{n}_{name}_{kv}_TFLOPs", rate(seconds))
                     except Exception as err:  # noqa: BLE001 - a variant that does not compile must not hide the rest
                         log(f"context_{n}_{name}_{kv}_error", repr(err)[:300])

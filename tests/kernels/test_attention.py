@@ -53,9 +53,11 @@ def test_paged_attention_kernel(dim, heads, kv_heads, block):
             ref = reference.paged_attention(q.float(), cache.float(), meta, dim ** -0.5, window)
             for parts in ((1, 4) if name == "decode" else (1,)):
                 part_tokens = None if parts == 1 else -(-meta.block_tables.shape[1] * block // parts)
-                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                      meta.max_query_len, dim ** -0.5, window, num_parts=parts, part_tokens=part_tokens)
-                assert rel_err(out, ref) < 1e-2, (name, window, parts)
+                for split in (False, True):
+                    out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          meta.max_query_len, dim ** -0.5, window, num_parts=parts,
+                                          part_tokens=part_tokens, causal_split=split)
+                    assert rel_err(out, ref) < 1e-2, (name, window, parts, split)
 
 
 @pytest.mark.parametrize("dim, heads, kv_heads, block", gpu_cases(
@@ -145,6 +147,43 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
     assert torch.equal(decode_attention._arrival_counters(qkv.device, 1)[:5 * kv_heads],
                        torch.zeros(5 * kv_heads, dtype=torch.int32))
 
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_rows, tile, causal_split", [(64, 64, False), (64, 32, True), (128, 64, True)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_interpreted_prompt_attention(block_rows, tile, causal_split, window):
+    """Prompts, chunks over a cached prefix and one-token rows in one packed step (GQA 4:1, blocks of 16) against
+    the reference, for the tile shapes the context_attention benchmark compares (causal_split: the tiles below the
+    diagonal without the causal mask)."""
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    seqs = [(0, 37), (20, 45), (0, 1), (70, 1), (100, 30)]
+    g = torch.Generator().manual_seed(block_rows + tile)
+    q, cache, meta = _host_paged_case(seqs, 8, 2, 32, 16, g)
+    ref = reference.paged_attention(q.float(), cache.float(), meta, 32 ** -0.5, window)
+    out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                          32 ** -0.5, window, tile=tile, block_rows=block_rows, causal_split=causal_split)
+    assert rel_err(out, ref) < 1e-2
+
+
+def _host_paged_case(seqs, heads, kv_heads, dim, block, g):
+    """_paged_case on the CPU in fp16 (the interpreter has no bf16 arithmetic)."""
+    num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 3
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g).half()
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, starts = [], [], [0]
+    for cached, new in seqs:
+        table = [order.pop() for _ in range(-(-(cached + new) // block))]
+        tables.append(table)
+        slots += [table[i // block] * block + i % block for i in range(cached, cached + new)]
+        starts.append(starts[-1] + new)
+    width = max(map(len, tables))
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    meta = AttentionMetadata(t(slots), t(starts), t([c + n for c, n in seqs]),
+                             t([tb + [0] * (width - len(tb)) for tb in tables]), max(n for _, n in seqs),
+                             max(c + n for c, n in seqs), block)
+    return torch.randn((starts[-1], heads, dim), generator=g).half(), cache, meta
 
 
 @pytest.mark.parametrize("kv, dim, heads, kv_heads, block", gpu_cases(

@@ -85,6 +85,19 @@ def online_softmax(s, v, m, l, acc, PRECISION: tl.constexpr):
     return m_new, l, acc
 
 
+@triton.jit
+def _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS: tl.constexpr,
+                BLOCK_TOKENS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, KV_QUANT: tl.constexpr,
+                WORDS: tl.constexpr):
+    """Keys and values (TILE, DIM) of cache positions start + t in q's dtype (zeros from stop on)."""
+    if WORDS:
+        k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS,
+                                             BLOCK_TOKENS, DIM)
+        return _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM), _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
+    k, v = kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
+    return k.to(q.dtype), v.to(q.dtype)
+
+
 @triton.jit(do_not_specialize=["bt_stride", "window"])     # both vary between steps: no recompiles for them
 def _paged_attention_kernel(
         q_ptr, cache_ptr, cache_half, block_tables_ptr, bt_stride, seq_lens_ptr, q_start_ptr, out_ptr,
@@ -92,12 +105,13 @@ def _paged_attention_kernel(
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
         NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WORD_LOADS: tl.constexpr,
-        PDL: tl.constexpr):
+        CAUSAL_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K).
     WORD_LOADS (quantized caches): read the cache as int32 words converted by _cache_words_to_fp16; otherwise as
-    8-bit values converted by Triton."""
+    8-bit values converted by Triton. CAUSAL_SPLIT (no sliding window): the tiles every query row of the block sees
+    whole run without the causal mask, only the tiles on the diagonal with it."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,18 +151,21 @@ def _paged_attention_kernel(
     w = tl.arange(0, DIM // 4)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     WORDS: tl.constexpr = KV_QUANT > 0 and q.dtype == tl.float16 and WORD_LOADS
-    for start in range(first, stop, TILE):
+    masked_from = first
+    if CAUSAL_SPLIT:
+        if window == 0:     # keys before the block's first query position are seen by every row: no mask there
+            block_first = seq_len - q_len + qblock * BLOCK_Q
+            masked_from = tl.maximum(first, tl.minimum(stop, first + (block_first + 1 - first) // TILE * TILE))
+        for start in range(first, masked_from, TILE):
+            k, v = _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS,
+                               BLOCK_TOKENS, DIM, TILE, KV_QUANT, WORDS)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            m, l, acc = online_softmax(s, v, m, l, acc, PRECISION)
+    for start in range(masked_from, stop, TILE):
         kv_pos = start + t
         in_range = kv_pos < stop
-        if WORDS:
-            k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS,
-                                                 BLOCK_TOKENS, DIM)
-            k = _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM)
-            v = _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
-        else:
-            k, v = kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k, v = _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS, BLOCK_TOKENS,
+                           DIM, TILE, KV_QUANT, WORDS)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
@@ -238,14 +255,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, warps_stages: tuple[int, int] | None = None,
                     word_loads: bool | None = None, mma: bool = True, launch: dict | None = None,
-                    block_rows: int = 64) -> torch.Tensor:
+                    block_rows: int = 64, causal_split: bool = False) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
     tile (keys per iteration), warps_stages (num_warps, num_stages) and word_loads default to attention_config's.
     A decode step over an 8-bit cache goes to mma_decode_attention where it takes it (mma=False: to the Triton
     kernel, which the tests compare it with). block_rows: query rows (tokens × the KV head's query heads) a prompt
-    program holds."""
+    program holds; causal_split: the tiles below the diagonal run without the causal mask (_paged_attention_kernel's
+    CAUSAL_SPLIT)."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words = attention_config(max_query_len, kv_cache.dtype)
@@ -274,7 +292,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile,
             BLOCK_Q=block_q, PART_TOKENS=part_tokens, NUM_PARTS=num_parts,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant(kv_cache),
-            WORD_LOADS=word_loads, num_warps=num_warps, num_stages=num_stages, **launch)
+            WORD_LOADS=word_loads, CAUSAL_SPLIT=causal_split, num_warps=num_warps, num_stages=num_stages, **launch)
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4, **launch)
