@@ -307,3 +307,18 @@ def test_int4_groups_may_not_straddle_ranks(tiny_models):
     model = convert(hf_dir, quant_config=QuantConfig("W4A16_AWQ", group_size=64), calib_size=2, quiet=True)
     with pytest.raises(ValueError, match=r"attention output inputs per rank \(32\) are not a multiple of 64"):
         model.shard(Mapping(2, 0, 2, 1))
+
+
+def test_prompt_tables_cross_ranks(tiny_models):
+    """A prompt table's rows reach every rank: TP=2 and PP=2 give TP=1's tokens (the rows travel in the Step)."""
+    from conftest import VOCAB
+
+    torch.manual_seed(0)
+    table = torch.randn(4, 64) * 0.05
+    build = BuildConfig(max_input_len=64, max_seq_len=96, max_prompt_embedding_table_size=8)
+    prompt, sampling = [5, VOCAB, VOCAB + 3, 7, VOCAB + 1], SamplingConfig(max_new_tokens=8, end_id=-1)
+    tokens = []
+    for parallel in (None, ParallelConfig(tp_size=2), ParallelConfig(pp_size=2)):
+        with LLM(str(tiny_models["llama"][0]), build_config=build, parallel_config=parallel, quiet=True) as llm:
+            tokens.append(llm.generate(prompt, sampling, prompt_table=table).token_ids)
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
