@@ -307,7 +307,8 @@ class ModelRunner:
             self.last_hidden = self.graphs.last_hidden
             return logits
         self.last_hidden = None
-        if self.verify_graphs is not None and step.max_query_len > 1 and self.verify_graphs.takes(step):
+        if (self.verify_graphs is not None and step.max_query_len > 1 and step.prompt_embeds is None
+                and self.verify_graphs.takes(step)):
             self._copy_blocks(step.block_copies)
             logits = self.verify_graphs.run(step, fill)
             self.last_hidden = self.verify_graphs.last_hidden
