@@ -106,3 +106,20 @@ def test_prompt_table_misuse_is_refused(llama, tiny_models):
              quiet=True) as plain:
         with pytest.raises(ValueError, match="built with max_prompt_embedding_table_size=0"):
             plain.generate([VOCAB], GREEDY, prompt_table=table)
+
+
+def test_short_table_prompts_beside_drafting_requests(tiny_models):
+    """On an engine sized for drafts (on a GPU: verify graphs for steps of 2..k+1 tokens a sequence), a 3-token
+    prompt of table ids still embeds its rows, and its request decodes without drafts beside one that drafts."""
+    from kiln.config import SpeculativeConfig
+
+    hf_dir, model = tiny_models["llama"]
+    torch.manual_seed(4)
+    table = torch.randn(3, 64) * 0.05
+    embeds = table[[0, 1, 2]]
+    with LLM(str(hf_dir), build_config=BUILD, quiet=True,
+             speculative_config=SpeculativeConfig(method="ngram", max_draft_len=2)) as llm:
+        alone = llm.generate([VOCAB, VOCAB + 1, VOCAB + 2], GREEDY, prompt_table=table)
+        both = llm.generate([[VOCAB, VOCAB + 1, VOCAB + 2], [5, 6, 5, 6, 5, 6]], GREEDY, prompt_table=[table, None])
+    assert alone.token_ids == both[0].token_ids == _hf_greedy_from_embeds(model, embeds, 8)
+    assert alone.metrics.num_speculative_steps == 0
