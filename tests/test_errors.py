@@ -137,13 +137,13 @@ def test_yaml_shape_disagreeing_with_the_model(tiny_models, tmp_path, capsys):
 
 def test_unsupported_build_fields(tiny_models, tmp_path, capsys):
     for kwargs, pattern in (({"max_draft_len": -1}, "max_draft_len must be a whole number >= 0"),
-                            ({"weight_sparsity": True}, "weight_sparsity=True is not supported"),
+                            ({"enable_debug_output": True}, "enable_debug_output=True is not supported"),
                             ({"plugin_config": {"paged_kv_cache": False}}, "paged_kv_cache=False is not supported")):
         with pytest.raises(ValueError, match=pattern):
             BuildConfig(**kwargs)
     hf_dir = str(tiny_models["llama"][0])
     assert main(["build", "--model_dir", hf_dir, "--output_dir", str(tmp_path / "e"), "--weight_sparsity"]) == 2
-    assert "weight_sparsity=True is not supported" in capsys.readouterr().err
+    assert "is not 2:4 sparse" in capsys.readouterr().err                   # a dense model with the flag
     assert main(["build", "--model_dir", hf_dir, "--output_dir", str(tmp_path / "e"), "--auto_parallel", "3"]) == 2
     assert "not divisible by tp_size=3" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not _leftovers(tmp_path)
