@@ -8,7 +8,7 @@ from kiln.checkpoint.layout import SPARSE_TARGETS
 from kiln.checkpoint.lazy import LazyWeights, meta_tensors
 from kiln.checkpoint.lora import load_adapter
 from kiln.config import BuildConfig, Mapping
-from kiln.kernels.sparse import dense_group
+from kiln.kernels.sparse import check_2_4
 from kiln.models import PretrainedModel
 from kiln.utils.steps import StepLog
 
@@ -87,11 +87,7 @@ def _check_sparse(model: PretrainedModel, build_config: BuildConfig) -> None:
     names = [name for name in weights if SPARSE_TARGETS.search(name)]
     tensors = weights.iter_take(names) if isinstance(weights, LazyWeights) else ((n, weights[n]) for n in names)
     for name, tensor in tensors:
-        where = dense_group(tensor)
-        if where is not None:
-            raise ValueError(f"weight_sparsity: {name} is not 2:4 sparse (row {where[0]}, inputs {where[1]}.."
-                             f"{where[1] + 3} hold more than two nonzeros) — a dense checkpoint: prune it with "
-                             "kiln convert --prune_2_4, or build without weight_sparsity")
+        check_2_4(tensor, f"weight_sparsity: {name}")
 
 
 def describe_network(network, verbosity: str) -> str:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from .fields import from_dict, reject_unsupported, require, require_choice, require_positive, to_dict
+from .fields import from_dict, reject_unsupported, require, require_choice, require_positive, require_whole, to_dict
 
 DTYPE_CHOICES = ("auto", "disable", "float32", "bfloat16", "float16")
 
@@ -272,14 +272,9 @@ class BuildConfig:
                 "BuildConfig.profiling_verbosity='detailed' only details visualize_network's network.txt: set "
                 "visualize_network, or leave profiling_verbosity at layer_names_only")
         reject_unsupported(self, ["opt_num_tokens", "builder_opt"], "Kiln has no tuning profiles yet")
-        require(isinstance(self.max_prompt_embedding_table_size, int)
-                and not isinstance(self.max_prompt_embedding_table_size, bool) and self.max_prompt_embedding_table_size >= 0,
-                "BuildConfig.max_prompt_embedding_table_size must be a whole number >= 0, got "
-                f"{self.max_prompt_embedding_table_size!r}")
+        require_whole(owner, max_prompt_embedding_table_size=self.max_prompt_embedding_table_size,
+                      max_draft_len=self.max_draft_len)
         reject_unsupported(self, ["enable_debug_output"], "debug outputs are not implemented yet")
-        require(isinstance(self.max_draft_len, int) and not isinstance(self.max_draft_len, bool)
-                and self.max_draft_len >= 0,
-                f"BuildConfig.max_draft_len must be a whole number >= 0, got {self.max_draft_len!r}")
         reject_unsupported(self, ["max_encoder_input_len"], "encoder-decoder models are not supported")
 
     def to_dict(self) -> dict[str, Any]:

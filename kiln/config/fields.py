@@ -77,6 +77,12 @@ def require_positive(owner: str, **values: int | float | None) -> None:
             raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
 
 
+def require_whole(owner: str, **values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{owner}.{name} must be a whole number >= 0, got {value!r}")
+
+
 def require_choice(owner: str, name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = list(choices)
     if value not in choices:

@@ -38,15 +38,18 @@ class ParallelConfig:
         require(self.auto_parallel or self.max_memory_mb is None,
                 "ParallelConfig: max_memory_mb limits the search of auto_parallel; set auto_parallel=True or leave it None")
         self.devices = list(self.devices)
-        ranks = self.world_size if self.auto_parallel else self.tp_size * self.pp_size
         require(all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.devices)
                 and len(set(self.devices)) == len(self.devices),
                 f"ParallelConfig: devices={self.devices} must be distinct CUDA device indices ≥ 0")
-        require(not self.devices or len(self.devices) == ranks,
-                f"ParallelConfig: devices={self.devices} names {len(self.devices)} GPUs for {ranks} ranks: give one "
+        require(not self.devices or len(self.devices) == self.ranks,
+                f"ParallelConfig: devices={self.devices} names {len(self.devices)} GPUs for {self.ranks} ranks: give one "
                 "device per rank, or none (ranks 0..N-1 on GPUs 0..N-1)")
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks run the model: world_size with auto_parallel, else tp_size × pp_size."""
+        return self.world_size if self.auto_parallel else self.tp_size * self.pp_size
 
     def get_devices(self) -> list[int]:
         """The CUDA device index of each rank."""
-        ranks = self.world_size if self.auto_parallel else self.tp_size * self.pp_size
-        return self.devices if self.devices else list(range(ranks))
+        return self.devices if self.devices else list(range(self.ranks))

@@ -37,13 +37,18 @@ def prune_2_4(weight: torch.Tensor) -> torch.Tensor:
     return (groups * mask).reshape(weight.shape)
 
 
-def sparse_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
-    """`weight` (2:4 sparse, checked) in the representation whose products skip its zeros on its device."""
+def check_2_4(weight: torch.Tensor, name: str) -> None:
+    """Refuse a weight that is not 2:4 sparse, naming it and its first dense group."""
     where = dense_group(weight)
     if where is not None:
         raise ValueError(f"{name} is not 2:4 sparse (row {where[0]}, inputs {where[1]}..{where[1] + 3} hold more "
                          "than two nonzeros): prune the checkpoint with kiln convert --prune_2_4, or build without "
                          "weight_sparsity")
+
+
+def sparse_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """`weight` (2:4 sparse, checked) in the representation whose products skip its zeros on its device."""
+    check_2_4(weight, name)
     if weight.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(weight.device)
         if major < 8:
@@ -53,10 +58,11 @@ def sparse_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
             raise ValueError(f"weight_sparsity on a GPU takes float16/bfloat16 weights; {name} is {weight.dtype}")
         from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
 
-        if major >= 9 and not _has_cusparselt():
+        cusparselt = _has_cusparselt()
+        if major >= 9 and not cusparselt:
             raise ValueError("weight_sparsity on this GPU needs cuSPARSELt (torch's CUTLASS sparse kernels run on "
                              "compute capability 8.x only), and this torch has none")
-        SparseSemiStructuredTensor._FORCE_CUTLASS = not _has_cusparselt()
+        SparseSemiStructuredTensor._FORCE_CUTLASS = not cusparselt
         try:
             return to_sparse_semi_structured(weight.contiguous())
         except (RuntimeError, ValueError) as err:

@@ -6,6 +6,7 @@ or num_beams beams forks into that many sequences, which share the prompt's KV-c
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import itertools
 import os
@@ -160,7 +161,7 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
+    @functools.cached_property
     def cache_salt(self) -> bytes:
         """What keys this request's prefix blocks apart from others': its adapter's (none for the base model), and
         with a prompt table, that table's digest too."""

@@ -19,10 +19,16 @@ CUDA = torch.device("cuda")
 def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
     """Random cache with scattered blocks, and metadata for sequences of (cached, new) tokens."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    blocks_needed = sum(-(-(c + n) // block) for c, n in seqs)
-    num_blocks = blocks_needed + 7
-    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g, device=CUDA).to(dtype)
-    order = torch.randperm(num_blocks, device="cpu").tolist()
+    return _scattered_case(seqs, heads, kv_heads, dim, block, dtype, g, spare_blocks=7, order_generator=None)
+
+
+def _scattered_case(seqs, heads, kv_heads, dim, block, dtype, g, spare_blocks: int, order_generator):
+    """(q, cache, meta) on g's device: a random cache of blocks in the order a permutation (drawn from
+    order_generator) scatters them, and metadata for sequences of (cached, new) tokens."""
+    device = g.device
+    num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + spare_blocks
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g, device=device).to(dtype)
+    order = torch.randperm(num_blocks, generator=order_generator).tolist()
     tables, slots, starts = [], [], [0]
     for cached, new in seqs:
         table = [order.pop() for _ in range(-(-(cached + new) // block))]
@@ -30,11 +36,11 @@ def _paged_case(seqs, heads, kv_heads, dim, block, dtype, seed):
         slots += [table[i // block] * block + i % block for i in range(cached, cached + new)]
         starts.append(starts[-1] + new)
     width = max(map(len, tables))
-    t = lambda x: torch.tensor(x, device=CUDA)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     meta = AttentionMetadata(t(slots), t(starts), t([c + n for c, n in seqs]),
                              t([tb + [0] * (width - len(tb)) for tb in tables]), max(n for _, n in seqs),
                              max(c + n for c, n in seqs), block)
-    q = torch.randn((starts[-1], heads, dim), generator=g, device=CUDA).to(dtype)
+    q = torch.randn((starts[-1], heads, dim), generator=g, device=device).to(dtype)
     return q, cache, meta
 
 
@@ -160,30 +166,12 @@ def test_interpreted_prompt_attention(block_rows, tile, causal_split, window):
 
     seqs = [(0, 37), (20, 45), (0, 1), (70, 1), (100, 30)]
     g = torch.Generator().manual_seed(block_rows + tile)
-    q, cache, meta = _host_paged_case(seqs, 8, 2, 32, 16, g)
+    q, cache, meta = _scattered_case(seqs, 8, 2, 32, 16, torch.float16, g, spare_blocks=3,   # the interpreter
+                                     order_generator=g)                                     # has no bf16
     ref = reference.paged_attention(q.float(), cache.float(), meta, 32 ** -0.5, window)
     out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                           32 ** -0.5, window, tile=tile, block_rows=block_rows, causal_split=causal_split)
     assert rel_err(out, ref) < 1e-2
-
-
-def _host_paged_case(seqs, heads, kv_heads, dim, block, g):
-    """_paged_case on the CPU in fp16 (the interpreter has no bf16 arithmetic)."""
-    num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 3
-    cache = torch.randn((2, num_blocks, block, kv_heads, dim), generator=g).half()
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots, starts = [], [], [0]
-    for cached, new in seqs:
-        table = [order.pop() for _ in range(-(-(cached + new) // block))]
-        tables.append(table)
-        slots += [table[i // block] * block + i % block for i in range(cached, cached + new)]
-        starts.append(starts[-1] + new)
-    width = max(map(len, tables))
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    meta = AttentionMetadata(t(slots), t(starts), t([c + n for c, n in seqs]),
-                             t([tb + [0] * (width - len(tb)) for tb in tables]), max(n for _, n in seqs),
-                             max(c + n for c, n in seqs), block)
-    return torch.randn((starts[-1], heads, dim), generator=g).half(), cache, meta
 
 
 @pytest.mark.parametrize("kv, dim, heads, kv_heads, block", gpu_cases(

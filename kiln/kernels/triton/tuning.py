@@ -59,13 +59,14 @@ DECODE_FP8_TILE = 128                # decode over an e4m3 cache: 5% faster at 5
                                      # 256 of 1-2k (benchmarks/gpu_suite.py --phases attn_sweep)
 ATTENTION_LAUNCH = (4, 2)
 
-# --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
-# (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
-# (benchmarks/gpu_suite.py --phases quant_kernels); other shapes: gemv.gemv_config's rule.
 FP8_GEMV = False
 """Decode products (at most gemv.MAX_ROWS rows) of FP8 layers by the CUDA-core GEMV on the engine's e4m3 bytes
 (gemv.fp8_gemv, the activations dequantized to float32: the same products as torch._scaled_mm's) instead of
-torch._scaled_mm. Off: not yet measured against it (gpu_suite --fp8_gemv turns it on for a run)."""
+torch._scaled_mm. Off: not yet measured against it (gpu_suite's quant phase turns it on for a mode written +gemv)."""
+
+# --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
+# (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
+# (benchmarks/gpu_suite.py --phases quant_kernels); other shapes: gemv.gemv_config's rule.
 GEMV_CONFIGS = {(6144, 4096, 4): (8, 64, True), (4096, 4096, 4): (4, 64, True), (28672, 4096, 4): (8, 64, True),
                 (4096, 14336, 4): (4, 64, True), (6144, 4096, 8): (4, 64, True), (4096, 4096, 8): (4, 128, True),
                 (28672, 4096, 8): (8, 128, True), (4096, 14336, 8): (4, 128, True)}
