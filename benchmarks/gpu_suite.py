@@ -11,8 +11,8 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               eager steps, quantized models against the CPU path)
   latency     bf16 batch-1 decode (128 prompt tokens, 128 new): tok/s, time to first token, % of the limit (of an
               MoE, the active weights: the experts a token is routed to)
-  throughput  bf16 output tok/s at 128/128 over --requests requests, overlapped steps; with 2048/128, 128/2048
-              and 2048/2048 (--long_requests requests each) too unless --quick
+  throughput  output tok/s (bf16, or --throughput_mode) at 128/128 over --requests requests, overlapped steps; with
+              2048/128, 128/2048 and 2048/2048 (--long_requests requests each) too unless --quick (or --shapes)
   load        build an engine (--load_mode), compile its kernels into it, save it; then a fresh process loads it and produces
               a first token (twice: first with the engine's files dropped from the page cache, then warm),
               reporting the kernels compiled at load (0: the engine carried them all)
@@ -180,12 +180,14 @@ def _throughput(args, key: str, input_len: int, output_len: int, num: int, max_b
 
 @phase
 def throughput(args):
-    shapes = [(128, 128, args.requests)]
-    if not args.quick:
-        shapes += [(2048, 128, args.long_requests), (128, 2048, args.long_requests), (2048, 2048, args.long_requests)]
-    for input_len, output_len, num in shapes:
-        _throughput(args, f"throughput_{input_len}_{output_len}_b{args.max_batch}", input_len, output_len, num,
-                    args.max_batch)
+    shapes = [(128, 128)] if args.quick else [(128, 128), (2048, 128), (128, 2048), (2048, 2048)]
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split("/")) for shape in args.shapes.split(",")]
+    mode = args.throughput_mode
+    for input_len, output_len in shapes:
+        num = args.requests if (input_len, output_len) == (128, 128) else args.long_requests
+        key = f"throughput_{'' if mode == 'bf16' else mode + '_'}{input_len}_{output_len}_b{args.max_batch}"
+        _throughput(args, key, input_len, output_len, num, args.max_batch, None if mode == "bf16" else mode_quant(mode))
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -512,6 +514,10 @@ def main():
     p.add_argument("--requests", type=int, default=2048, help="requests of the 128/128 throughput runs")
     p.add_argument("--long_requests", type=int, default=1500,
                    help="requests of the 2048/128, 128/2048 and 2048/2048 runs (TensorRT-LLM's tables use 1,500-3,000)")
+    p.add_argument("--shapes", default=None,
+                   help="the throughput phase's input/output lengths, e.g. 2048/128,2048/2048 (default: all four)")
+    p.add_argument("--throughput_mode", default="bf16",
+                   help="the throughput phase's engine mode (as in --latency_modes), e.g. FP8_PER_CHANNEL_PER_TOKEN+FP8+lm_head")
     p.add_argument("--max_batch", type=int, default=512, help="max_batch_size of the throughput engines")
     p.add_argument("--latency_modes", default="bf16,W4A16_AWQ+lm_head,W8A16",
                    help="batch-1 modes of the quant phase ('': none, FP8 throughput only)")
