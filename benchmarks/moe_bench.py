@@ -4,6 +4,7 @@ launch sequence from the router's logits to the summed output), TB/s of the rout
 and zero points of every expert that gets a token, read once) and TFLOP/s (2·T·k·3·H·I).
 
     python benchmarks/moe_bench.py [--tokens 1,16,128,1024,4096] [--formats bf16,fp8,int4] [--check] [--sweep]
+                                   [--backends triton,grouped]
 
 Needs Kiln installed (`pip install -e .`) and a CUDA GPU.
 
@@ -12,6 +13,8 @@ projection), int8 (W8A16), int4 (W4A16 AWQ: groups of 128 with zero points), int
 of 128, no zero points). --check compares each layer with the reference loop on its first 64 tokens. --sweep times
 each (format, token count) under every tile choice of `candidates` too and prints the fastest beside the table's
 (the per-format tables MOE_CONFIGS, MOE_FLOAT_CONFIGS, MOE_FP8_CONFIGS in kiln/kernels/triton/tuning.py).
+--backends: the experts' products on Kiln's Triton kernels ("triton") and on torch's grouped GEMMs ("grouped",
+CUTLASS: bf16 and fp8 only), each row of the table once per backend.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from kiln import benchmark as bench
 from kiln.config import QuantConfig
 from kiln.kernels import quant, reference
-from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, moe_config
+from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, grouped_mm_refusal, moe_config
 from kiln.kernels.triton.tuning import MoeConfig, MoeTile
 from kiln.quantization import round_experts
 
@@ -51,11 +54,11 @@ def routed_bytes(x: torch.Tensor, router: torch.Tensor, projections) -> int:
     return total
 
 
-def check(x, router, gate_up, down, algo) -> float:
+def check(x, router, gate_up, down, algo, grouped: bool = False) -> float:
     """Relative error of the fused layer against the reference loop (kiln.kernels.reference.moe, the CPU path) on
     its first 64 tokens (tests/kernels/test_fused_moe.py holds both to a float64 oracle)."""
     x = x[:64]
-    out = fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo).double()
+    out = fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo, grouped_mm=grouped).double()
     ref = reference.moe(x, router, gate_up, down, TOP_K, True, 0, algo).double()
     return ((out - ref).norm() / ref.norm()).item()
 
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,fp8,int4")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates too")
+    parser.add_argument("--backends", default="triton", help="triton and/or grouped (torch's grouped GEMMs)")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     hw = bench.Hardware.measure(torch.device("cuda"))
@@ -101,19 +105,24 @@ def main() -> None:
     down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g, device="cuda") / INTER ** 0.5).bfloat16()
     tokens = [int(t) for t in args.tokens.split(",")]
     x_all = torch.randn(max(tokens), HIDDEN, generator=g, device="cuda").bfloat16()
-    print(f"{'format':>10} {'tokens':>6} {'block_m':>7} {'µs':>9} {'TB/s':>6} {'TFLOP/s':>8}" +
+    print(f"{'format':>10} {'backend':>7} {'tokens':>6} {'block_m':>7} {'µs':>9} {'TB/s':>6} {'TFLOP/s':>8}" +
           (f" {'rel.err':>8}" if args.check else ""))
     for name in args.formats.split(","):
         algo = FORMATS[name]
         weights = (experts(algo, gate_up, 5.0 / quant.FP8_MAX), experts(algo, down, 2.0 / quant.FP8_MAX))
         for t in tokens:
             x = x_all[:t]
-            seconds = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
-            flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
-            block_m = moe_config(t, TOP_K, EXPERTS, expert_weights(weights[0], algo).format).block_m
-            line = (f"{name:>10} {t:>6} {block_m:>7} {seconds * 1e6:>9.1f} "
-                    f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
-            print(line + (f" {check(x, router, *weights, algo):>8.1e}" if args.check else ""), flush=True)
+            for backend in args.backends.split(","):
+                grouped = backend == "grouped"
+                if grouped and grouped_mm_refusal(x, *(expert_weights(w, algo) for w in weights)) is not None:
+                    continue
+                seconds = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo,
+                                                                 grouped_mm=grouped)] * 4)
+                flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
+                block_m = moe_config(t, TOP_K, EXPERTS, expert_weights(weights[0], algo).format).block_m
+                line = (f"{name:>10} {backend:>7} {t:>6} {block_m:>7} {seconds * 1e6:>9.1f} "
+                        f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
+                print(line + (f" {check(x, router, *weights, algo, grouped):>8.1e}" if args.check else ""), flush=True)
             if args.sweep:
                 sweep(name, t, x, router, weights, algo)
         del weights

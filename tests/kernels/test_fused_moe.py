@@ -213,13 +213,14 @@ def test_interpreted_routing_without_renormalisation_and_top_1():
 @pytest.mark.parametrize("t, block_m, first, local", [(1, 16, 0, 4), (37, 16, 0, 8), (300, 64, 3, 2), (9, 32, 0, 8)])
 def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
     """Every local entry appears once, in its expert's segment (entries in order), segments start on block
-    boundaries in expert order, padding holds T·k, blocks past the last segment have expert -1."""
+    boundaries in expert order and end at `ends`, padding holds T·k, blocks past the last segment have expert -1,
+    slot_of inverts the placement (-1 for the other experts' entries)."""
     from kiln.kernels.triton.fused_moe import align, route
 
     top_k = 2
     logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t))
     ids, _ = route(logits, top_k, True)
-    sorted_ids, block_expert = align(ids, block_m, first, local)
+    sorted_ids, block_expert, ends, slot_of = align(ids, block_m, first, local)
     entries = t * top_k
     assert sorted_ids.numel() >= entries + min(entries, local) * (block_m - 1)
     expected_blocks = []
@@ -229,7 +230,10 @@ def test_interpreted_align_groups_entries_by_expert(t, block_m, first, local):
         segment = [b * block_m for b, expert in enumerate(block_expert.tolist()) if expert == e]
         slots = sorted_ids[segment[0]:segment[0] + len(segment) * block_m].tolist() if segment else []
         assert slots[:len(mine)] == mine and all(s == entries for s in slots[len(mine):])
+        assert int(ends[e]) == len(expected_blocks) * block_m
     used = len(expected_blocks)
+    placed = {int(entry): slot for slot, entry in enumerate(sorted_ids.tolist()) if entry < entries}
+    assert slot_of.tolist() == [placed.get(entry, -1) for entry in range(entries)]
     assert block_expert.tolist() == expected_blocks + [-1] * (block_expert.numel() - used)
 
 
@@ -320,3 +324,74 @@ def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
             graph.replay()
             assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)), (t, seed)
 
+
+
+def _loop_products(a, a_scale, w, ends, fast_accumulation):
+    """grouped_products as a loop over the experts' segments (the stand-in for torch's grouped GEMMs on the CPU)."""
+    out = torch.zeros(a.shape[0], w.weight.shape[1], dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        rows = a[start:end].float() * (a_scale[start:end, None] if a_scale is not None else 1.0)
+        matrix = w.weight[e].float() * (w.scale[e] if w.scale is not None else 1.0)
+        out[start:end] = rows @ matrix.T
+        start = end
+    return out
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("algo", [None, "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_interpreted_grouped_mm_path_around_a_loop(monkeypatch, algo):
+    """The grouped-GEMM path's own kernels (alignment with segment ends, the gathered and quantized operand, SiLU·up,
+    the weighted sum through slot_of) around a loop standing in for torch's grouped GEMMs: the float64 oracle's
+    layer, also with a rank holding experts 2-3 of 4."""
+    from kiln.kernels.triton import fused_moe as fm
+
+    monkeypatch.setattr(fm, "grouped_mm_refusal", lambda *args: None)
+    monkeypatch.setattr(fm, "grouped_products", _loop_products)
+    for t, routing, first, seed in ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5)):
+        x, router, gate_up, down = moe_case(algo, None, t, *MOE_SHAPE["interpreter"], torch.float32, routing, seed=seed)
+        if first:
+            gate_up, down = (_expert_slice(w, first, 2) for w in (gate_up, down))
+        out = fm.fused_moe(x, router, gate_up, down, 2, True, first, algo, grouped_mm=True)
+        ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32], (t, routing, first, rel_err(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", [None, "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_grouped_mm_path_matches_float64_and_replays(algo):
+    """torch's grouped GEMMs (CUTLASS) as the experts' products, bfloat16: the float64 oracle's layer from 1 to
+    4096 tokens, balanced and all to two experts; and replayed in a CUDA graph on inputs that route differently."""
+    from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, grouped_mm_refusal
+
+    x, router, gate_up, down = moe_case(algo, None, 1, *MOE_SHAPE["cuda"], torch.bfloat16, device=CUDA)
+    refusal = grouped_mm_refusal(x, expert_weights(gate_up, algo), expert_weights(down, algo))
+    if refusal is not None:
+        pytest.skip(refusal)
+    for t, routing, first, seed in _calls((1, 33, 777, 4096)):
+        x, router, gate_up, down = moe_case(algo, None, t, *MOE_SHAPE["cuda"], torch.bfloat16, routing, CUDA, seed)
+        out = fused_moe(x, router, gate_up, down, 2, True, first, algo, grouped_mm=True)
+        ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (t, routing, rel_err(out, ref))
+    static_x = x[:24].clone()
+    fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, grouped_mm=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, grouped_mm=True)
+    for seed in (1, 2):
+        fresh = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
+        static_x.copy_(fresh.to(static_x.dtype))
+        graph.replay()
+        assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo,
+                                                 grouped_mm=True)), seed
+
+
+def test_grouped_mm_path_refuses_what_it_cannot_run():
+    pytest.importorskip("triton")
+    from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, grouped_mm_refusal
+
+    x, router, gate_up, down = moe_case("FP8", (0.01, 0.01), 3, 4, 32, 64, torch.float32)
+    w = expert_weights(gate_up, "FP8"), expert_weights(down, "FP8")
+    assert "Hopper" in grouped_mm_refusal(x, *w)
+    with pytest.raises(ValueError, match="Hopper GPUs"):
+        fused_moe(x, router, gate_up, down, 2, True, 0, "FP8", grouped_mm=True)

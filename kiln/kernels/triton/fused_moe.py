@@ -27,6 +27,7 @@ FP8 e4m3 (E, N, K) with a float32 scale per output channel (E, N), activations p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,8 @@ import triton.language as tl
 
 from ..quant import int4_group_size
 from .launch import launch_args, wait_for_inputs
-from .norms import quantize_fp8_rows, silu_mul
+from .norms import fp8_row_scale, quantize_fp8_rows, silu_and_mul, silu_and_mul_fp8, silu_mul, store_fp8_row
+from . import tuning
 from .tuning import MOE_CONFIGS, MOE_FLOAT_CONFIGS, MOE_FP8_CONFIGS, MOE_SHARED_MEMORY, MoeConfig, MoeTile
 
 FLOAT, FP8, INT8, INT4 = 0, 1, 2, 3          # how a projection's weights are stored (ExpertWeights.format)
@@ -145,11 +147,12 @@ def _expert_hits(ids_ptr, start, ENTRIES, FIRST, EXPERTS, experts, CHUNK: tl.con
 
 
 @triton.jit(do_not_specialize=["ENTRIES", "SLOTS"])
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, ENTRIES, SLOTS, FIRST, EXPERTS, E_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, ends_ptr, slot_of_ptr, ENTRIES, SLOTS, FIRST, EXPERTS,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program: count each local expert's entries, lay their segments out back to back (each padded to whole
-    blocks), write every entry at its expert's next slot (entries in order), ENTRIES at every other of the SLOTS
-    slots, and per block its expert (-1 past the last segment). Entries and padding write disjoint slots."""
+    blocks), write every entry at its expert's next slot (entries in order; slot_of: each entry's slot, -1 for
+    another rank's expert), ENTRIES at every other of the SLOTS slots, per block its expert (-1 past the last
+    segment), and each segment's end. Entries and padding write disjoint slots."""
     wait_for_inputs(PDL)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
@@ -158,12 +161,16 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, ENTRIES, SLOTS, FIRST, 
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    tl.store(ends_ptr + experts, ends, mask=experts < EXPERTS)
     taken = tl.zeros([E_PAD], tl.int32)
     for start in range(0, ENTRIES, CHUNK):
         hits = _expert_hits(ids_ptr, start, ENTRIES, FIRST, EXPERTS, experts, CHUNK)
         before = tl.cumsum(hits, axis=0) - hits + taken[None, :]          # the expert's entries before this one
         slot = tl.sum(hits * (starts[None, :] + before), axis=1)
-        tl.store(sorted_ptr + slot, start + tl.arange(0, CHUNK), mask=tl.sum(hits, axis=1) > 0)
+        local = tl.sum(hits, axis=1) > 0
+        entry = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + slot, entry, mask=local)
+        tl.store(slot_of_ptr + entry, tl.where(local, slot, -1), mask=entry < ENTRIES)
         taken += tl.sum(hits, axis=0)
     for start in range(0, SLOTS, CHUNK):
         slot = start + tl.arange(0, CHUNK)
@@ -184,19 +191,28 @@ def sorted_slots(tokens: int, top_k: int, experts: int, block_m: int) -> int:
     return triton.cdiv(entries + min(entries, experts) * (block_m - 1), block_m) * block_m
 
 
+class Alignment(NamedTuple):
+    """The routed entries (entry = token·k + slot) grouped by local expert, segments padded to whole blocks."""
+    sorted_ids: torch.Tensor      # (S,) int32: the entry in each slot, T·k for padding
+    block_expert: torch.Tensor    # (S / BLOCK_M,) int32: each block's expert, -1 past the last segment
+    ends: torch.Tensor            # (E,) int32: where each expert's segment ends (the grouped GEMMs' offsets)
+    slot_of: torch.Tensor         # (T·k,) int32: each entry's slot, -1 for an entry routed to another rank
+
+
 def align(ids: torch.Tensor, block_m: int, first_expert: int, experts: int,
-          launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted entries (S,) int32, expert of each BLOCK_M block (S / BLOCK_M,) int32) for the local experts
-    first_expert .. first_expert + experts - 1 of ids (T, k)."""
+          launch: dict | None = None) -> Alignment:
+    """The entries of ids (T, k) routed to the local experts first_expert .. first_expert + experts - 1, grouped."""
     entries = ids.numel()
     slots = sorted_slots(ids.shape[0], ids.shape[1], experts, block_m)
     sorted_ids = torch.empty(slots, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(slots // block_m, dtype=torch.int32, device=ids.device)
+    ends = torch.empty(experts, dtype=torch.int32, device=ids.device)
+    slot_of = torch.empty(entries, dtype=torch.int32, device=ids.device)
     e_pad = triton.next_power_of_2(experts)
     chunk = max(16, min(1024, 8192 // e_pad))
-    _align_kernel[(1,)](ids, sorted_ids, block_expert, entries, slots, first_expert, experts, E_PAD=e_pad,
-                        BLOCK_M=block_m, CHUNK=chunk, num_warps=4, **launch_args(launch))
-    return sorted_ids, block_expert
+    _align_kernel[(1,)](ids, sorted_ids, block_expert, ends, slot_of, entries, slots, first_expert, experts,
+                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, num_warps=4, **launch_args(launch))
+    return Alignment(sorted_ids, block_expert, ends, slot_of)
 
 
 # --- the grouped GEMMs ------------------------------------------------------------------------------------------
@@ -518,18 +534,132 @@ def sum_top_k(partial: torch.Tensor, ids: torch.Tensor, first_expert: int, exper
 def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dict, down: torch.Tensor | dict,
               top_k: int, renormalize: bool, first_expert: int = 0, algo: str | None = None,
               fast_accumulation: bool = True, config: MoeConfig | None = None,
-              launch: dict | None = None) -> torch.Tensor:
+              launch: dict | None = None, grouped_mm: bool | None = None) -> torch.Tensor:
     """reference.moe on the GPU: x (T, H) routed to top_k of the router's experts, computed by the local experts
     first_expert .. first_expert + E - 1 of gate_up (E, 2I, H) and down (E, H, I), each a float tensor or a dict of
-    `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step)."""
+    `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step).
+    grouped_mm: the experts' products on torch's grouped GEMMs (True), on this module's kernels (False), or as
+    tuning.MOE_GROUPED_MM_ROWS chooses for T (None)."""
     gate_up_w, down_w = expert_weights(gate_up, algo), expert_weights(down, algo)
     experts = gate_up_w.weight.shape[0]
-    config = config or moe_config(x.shape[0], top_k, experts, gate_up_w.format)
+    if grouped_mm is None:
+        least = tuning.MOE_GROUPED_MM_ROWS
+        grouped_mm = (least is not None and x.shape[0] * top_k >= least * experts
+                      and grouped_mm_refusal(x, gate_up_w, down_w) is None)
+    elif grouped_mm and (refusal := grouped_mm_refusal(x, gate_up_w, down_w)) is not None:
+        raise ValueError(refusal)
     launch = launch_args(launch)
     ids, weights = route(F.linear(x, router), top_k, renormalize, launch)
-    sorted_ids, block_expert = align(ids, config.block_m, first_expert, experts, launch)
-    act, act_scale = gate_up_act(x, sorted_ids, block_expert, gate_up_w, down_w, top_k, config, fast_accumulation,
-                                 launch)
-    partial = down_partials(act, act_scale, sorted_ids, block_expert, weights, down_w, config, fast_accumulation,
-                            x.dtype, launch)
+    if grouped_mm:
+        return _grouped_moe(x, ids, weights, gate_up_w, down_w, first_expert, fast_accumulation, launch)
+    config = config or moe_config(x.shape[0], top_k, experts, gate_up_w.format)
+    groups = align(ids, config.block_m, first_expert, experts, launch)
+    act, act_scale = gate_up_act(x, groups.sorted_ids, groups.block_expert, gate_up_w, down_w, top_k, config,
+                                 fast_accumulation, launch)
+    partial = down_partials(act, act_scale, groups.sorted_ids, groups.block_expert, weights, down_w, config,
+                            fast_accumulation, x.dtype, launch)
     return sum_top_k(partial, ids, first_expert, experts, x.dtype, launch)
+
+
+# --- the experts' products on torch's grouped GEMMs (CUTLASS) -----------------------------------------------------
+# The routed rows are gathered in expert order (per-token e4m3 for FP8 experts) into one operand, each expert's
+# rows a segment that ends at Alignment.ends; torch._scaled_grouped_mm (FP8, row-wise scales) or torch._grouped_mm
+# (bf16) multiplies every segment by its expert; SiLU·up (quantized again for FP8) between the two; the down
+# products are summed per token with the routing weights.
+GROUPED_BLOCK = 16            # segment padding of the gathered operand (rows)
+
+
+def grouped_mm_refusal(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights) -> str | None:
+    """Why torch's grouped GEMMs cannot run this layer (None: they can): a Hopper GPU, a bfloat16 model, and bf16
+    experts or FP8 experts with per-token activations."""
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return "torch's grouped GEMMs run on Hopper GPUs (compute capability 9.0) only"
+    if x.dtype != torch.bfloat16:
+        return f"torch's grouped GEMMs take a bfloat16 model, not {x.dtype}"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no grouped GEMMs (torch._scaled_grouped_mm)"
+    formats = {(w.format, w.input_scale is None) for w in (gate_up, down)}
+    if formats not in ({(FLOAT, True)}, {(FP8, True)}):
+        return "torch's grouped GEMMs take bf16 experts or FP8 experts with per-token activations"
+    return None
+
+
+@triton.jit(do_not_specialize=["ENTRIES"])
+def _gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, scale_ptr, ENTRIES, K, TOP_K: tl.constexpr,
+                        FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row `slot` of the gathered operand: x's row of the slot's token (zeros for padding), in x's dtype or as
+    per-token e4m3 with its scale."""
+    wait_for_inputs(PDL)
+    slot = tl.program_id(0).to(tl.int64)
+    entry = tl.load(sorted_ptr + slot)
+    valid = entry < ENTRIES
+    token = tl.where(valid, entry // TOP_K, 0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    row = tl.load(x_ptr + token * K + cols, mask=ok & valid, other=0.0)
+    if FP8_OUT:
+        row = row.to(tl.float32)
+        store_fp8_row(row, fp8_row_scale(row), ok, out_ptr + slot * K + cols, scale_ptr, slot)
+    else:
+        tl.store(out_ptr + slot * K + cols, row, mask=ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_slots_kernel(rows_ptr, slot_of_ptr, weights_ptr, out_ptr, T, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    """out[token] = Σ over its TOP_K entries with a local slot of routing weight × rows[slot], in out's dtype."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    total = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slot_of_ptr + token * TOP_K + j).to(tl.int64)
+        weight = tl.load(weights_ptr + token * TOP_K + j)
+        row = tl.load(rows_ptr + tl.maximum(slot, 0) * N + cols, mask=ok & (slot >= 0), other=0.0)
+        total += weight * row.to(tl.float32)
+    tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gather_rows(x: torch.Tensor, groups: Alignment, top_k: int, fp8: bool,
+                launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the gathered operand (S, H), its per-row e4m3 scales (S,) or None)."""
+    slots, k = groups.sorted_ids.shape[0], x.shape[1]
+    out = torch.empty((slots, k), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
+    scale = torch.empty(slots, dtype=torch.float32, device=x.device) if fp8 else None
+    block = triton.next_power_of_2(k)
+    _gather_rows_kernel[(slots,)](x, groups.sorted_ids, out, out if scale is None else scale, x.shape[0] * top_k, k,
+                                  TOP_K=top_k, FP8_OUT=fp8, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
+                                  **launch_args(launch))
+    return out, scale
+
+
+def grouped_products(a: torch.Tensor, a_scale: torch.Tensor | None, w: ExpertWeights, ends: torch.Tensor,
+                     fast_accumulation: bool) -> torch.Tensor:
+    """(S, N) bfloat16: each segment of a (ending at ends) times its expert's weights (E, N, K), transposed."""
+    b = w.weight.transpose(1, 2)
+    if w.format == FP8:
+        return torch._scaled_grouped_mm(a, b, a_scale, w.scale.reshape(w.scale.shape[:2]), offs=ends,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accumulation)
+    return torch._grouped_mm(a, b, offs=ends)
+
+
+def _grouped_moe(x, ids, weights, gate_up: ExpertWeights, down: ExpertWeights, first_expert: int,
+                 fast_accumulation: bool, launch: dict) -> torch.Tensor:
+    t, top_k = ids.shape
+    fp8 = gate_up.format == FP8
+    groups = align(ids, GROUPED_BLOCK, first_expert, gate_up.weight.shape[0], launch)
+    a, a_scale = gather_rows(x, groups, top_k, fp8, launch)
+    gate_up_rows = grouped_products(a, a_scale, gate_up, groups.ends, fast_accumulation)
+    if fp8:
+        act = silu_and_mul_fp8(gate_up_rows, launch)
+        act, act_scale = act.values, act.scale.view(-1)
+    else:
+        act, act_scale = silu_and_mul(gate_up_rows, launch=launch), None
+    down_rows = grouped_products(act, act_scale, down, groups.ends, fast_accumulation)
+    out = torch.empty_like(x)
+    n = x.shape[1]
+    block = min(1024, triton.next_power_of_2(n))
+    _sum_slots_kernel[(t, triton.cdiv(n, block))](down_rows, groups.slot_of, weights, out, t, n, TOP_K=top_k,
+                                                   BLOCK=block, num_warps=4, **launch_args(launch))
+    return out

@@ -164,4 +164,7 @@ MOE_FP8_CONFIGS = MOE_CONFIGS[:2] + [
     (96, MoeConfig(64, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
     (1 << 62, MoeConfig(128, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
 ]
+# Rows per expert (T·k / E) from which bf16 and FP8 (per-token) experts run on torch's grouped GEMMs
+# (fused_moe.grouped_products, CUTLASS) instead of the Triton kernels above; None: never.
+MOE_GROUPED_MM_ROWS: int | None = None
 MOE_SHARED_MEMORY = 224 << 10     # bytes of operand stages a grouped-GEMM program may hold (H100/H200: 227 KB)
