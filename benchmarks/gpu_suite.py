@@ -81,9 +81,24 @@ def env(args):
     log("gpu", torch.cuda.get_device_name(0))
     log("torch", torch.__version__)
     log("triton", triton.__version__)
+    for setting in filter(None, args.tuning.split(",")):
+        set_tuning(setting)
     hw = args.hw = bench.Hardware.measure(torch.device("cuda"))        # once: the limits of every phase
     log("copy_TBps", round(hw.copy_bytes_per_s / 1e12, 2))
     log("gemm_TFLOPs", round(hw.gemm_flops / 1e12, 1))
+
+
+def set_tuning(setting: str) -> None:
+    """NAME=VALUE: kiln/kernels/triton/tuning.py's NAME set to VALUE (a Python literal: 32, None, True) for this run."""
+    import ast
+
+    from kiln.kernels.triton import tuning
+
+    name, _, value = setting.partition("=")
+    if not hasattr(tuning, name):
+        raise SystemExit(f"--tuning {setting}: kiln/kernels/triton/tuning.py has no {name}")
+    setattr(tuning, name, ast.literal_eval(value))
+    log(f"tuning_{name}", getattr(tuning, name))
 
 
 @phase
@@ -523,6 +538,9 @@ def main():
                    help="batch-1 modes of the quant phase ('': none, FP8 throughput only)")
     p.add_argument("--load_mode", default="bf16", help="the load phase's engine mode (as in --latency_modes)")
     p.add_argument("--work_dir", default=None, help="where the load phase saves its engine (default: the temp dir)")
+    p.add_argument("--tuning", default="",
+                   help="comma-separated NAME=VALUE settings of kiln/kernels/triton/tuning.py for this run, e.g. "
+                        "MOE_GROUPED_MM_ROWS=32")
     p.add_argument("--test_paths", default="tests", help="comma-separated pytest paths of the checks phase")
     p.add_argument("--test_timeout", type=int, default=900, help="seconds the checks phase may take")
     args = p.parse_args()
