@@ -15,10 +15,10 @@ import torch
 
 from kiln.checkpoint.lazy import LazyWeights, materialize
 from kiln.checkpoint.lora import adapter_files
-from kiln.checkpoint.safetensors_file import TensorReader, file_weights, write_tensors
+from kiln.checkpoint.safetensors_file import TensorReader, write_tensors
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.tokenizer import read_tokenizer_files, write_tokenizer_files
-from kiln.utils.checksum import directory_checksums, verify_checksums
+from kiln.utils.checksum import check_digest, directory_checksums, verify_checksums
 from kiln.utils.fs import atomic_dir, check_output_dir, read_json_object, require_dir
 from kiln.version import __version__
 
@@ -144,11 +144,9 @@ class Engine:
         pretrained = dataclasses.replace(pretrained, mapping=pretrained.mapping.for_rank(rank))
         weights_file = engine_dir / f"rank{rank}.safetensors"
         _check_rank_file(weights_file, manifest["hash"])
-        if verify:
-            verify_checksums(engine_dir, manifest.get("checksums"), "engine", weights_file.name)
-        weights = _open_rank(weights_file, device)
-        check_engine_weights(weights, pretrained, str(weights_file))
-        weights = materialize(weights)
+        recorded = verify_checksums(engine_dir, manifest.get("checksums"), "engine", weights_file.name,
+                                    digest_own_weights=False) if verify else None
+        weights = _read_rank(weights_file, pretrained, device, recorded)
         check_sequence_fits(pretrained, build, torch.device(device))
         kernels = {str(p.relative_to(engine_dir / KERNEL_CACHE)): p.read_bytes()
                    for p in (engine_dir / KERNEL_CACHE).rglob("*") if p.is_file()}
@@ -240,9 +238,15 @@ def _check_rank_file(path: Path, expected_hash: str) -> None:
         raise ValueError(f"{path} belongs to another engine (its hash differs from config.json's)")
 
 
-def _open_rank(path: Path, device):
-    """The rank file's tensors as LazyWeights read onto `device`; a damaged file says so."""
-    try:
-        return file_weights(path, device)
-    except ValueError as err:
-        raise ValueError(f"{path}: corrupt or truncated engine weights ({err})") from None
+def _read_rank(path: Path, config: PretrainedConfig, device, recorded_digest: str | None) -> dict:
+    """The rank file's tensors on `device`, checked against `config` from the header before any is read, the file
+    read once (its digest checked against `recorded_digest` as it is read, where given). _check_rank_file has
+    checked the header."""
+    with TensorReader(path) as reader:
+        specs = {name: torch.empty(shape, dtype=dtype, device="meta")
+                 for name in reader.keys() for shape, dtype in [reader.spec(name)]}
+        check_engine_weights(specs, config, str(path))
+        weights, digest = reader.read_all(device, hash_file=recorded_digest is not None)
+    if recorded_digest is not None:
+        check_digest(path, digest, recorded_digest, "engine")
+    return weights

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from kiln.utils.checksum import ChunkHasher
+from kiln.utils.checksum import CHUNK, ChunkHasher, chunk_digest, combined
 
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -152,6 +154,70 @@ class TensorReader:
         tensor = buffer.view(dtype).reshape(shape)
         return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
+    def read_all(self, device: str | torch.device = "cpu", hash_file: bool = False,
+                 threads: int | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+        """(every tensor on `device`, the file's digest as kiln.utils.checksum computes it, or None unless
+        hash_file): the file is read once, its 64 MiB chunks by several threads at once, each chunk hashed as it
+        arrives. On the CPU the reads land in the tensors themselves; on a GPU in a pinned buffer per thread,
+        copied to the tensors asynchronously. A file whose tensors do not tile its data section (not one a Kiln
+        or safetensors writer makes) is read a tensor at a time and hashed separately."""
+        device = torch.device(device)
+        size = os.fstat(self.fd).st_size
+        ranges = sorted((start, end, name) for name, (_, _, start, end) in self.entries.items())
+        tiled = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and \
+            (not ranges or (ranges[0][0] == 0 and self.data_start + ranges[-1][1] == size))
+        if not tiled:
+            from kiln.utils.checksum import file_digest
+
+            return ({name: self.read(name, device) for name in self.entries},
+                    file_digest(self.path) if hash_file else None)
+        flat = {name: torch.empty(end - start, dtype=torch.uint8, device=device) for start, end, name in ranges}
+        pieces = [(0, self.data_start, None)] + [(self.data_start + a, self.data_start + b, flat[n])
+                                                 for a, b, n in ranges]
+        workers = threads or min(16, os.cpu_count() or 1)
+        staging = _Staging(device) if device.type == "cuda" else None
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            digests = list(pool.map(lambda start: self._read_chunk(start, min(size, start + CHUNK), pieces,
+                                                                    hash_file, staging), range(0, size, CHUNK)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tensors = {name: flat[name].view(dtype).reshape(shape) for name, (shape, dtype, _, _) in self.entries.items()}
+        return tensors, combined(digests) if hash_file else None
+
+    def _read_chunk(self, start: int, end: int, pieces, hashed: bool, staging) -> bytes | None:
+        """Bytes [start, end) of the file into the parts of `pieces` ((file start, file end, flat tensor or None
+        for bytes read only to be hashed)) they overlap; their digest when `hashed`."""
+        overlapping = [(max(a, start), min(b, end), a, t) for a, b, t in pieces if a < end and b > start]
+        if staging is not None:
+            buffer = staging.buffer(end - start)
+            self._fill([memoryview(buffer.numpy())[:end - start]], start)
+            stream = staging.stream()
+            with torch.cuda.stream(stream):
+                for lo, hi, a, tensor in overlapping:
+                    if tensor is not None:
+                        tensor[lo - a:hi - a].copy_(buffer[lo - start:hi - start], non_blocking=True)
+            digest = chunk_digest([memoryview(buffer.numpy())[:end - start]]) if hashed else None
+            stream.synchronize()            # the buffer is this thread's next chunk's
+            return digest
+        views = [memoryview(bytearray(hi - lo)) if tensor is None else memoryview(tensor.numpy())[lo - a:hi - a]
+                 for lo, hi, a, tensor in overlapping]
+        self._fill(views, start)
+        return chunk_digest(views) if hashed else None
+
+    def _fill(self, views: list[memoryview], offset: int) -> None:
+        """Read the file from `offset` into `views`, in order, whole."""
+        views = list(views)
+        while views:
+            n = os.preadv(self.fd, views[:64], offset)
+            if n == 0:
+                raise ValueError(f"{self.path}: corrupt or truncated safetensors file (it ends at byte {offset})")
+            offset += n
+            while n:
+                step = min(n, len(views[0]))
+                views[0], n = views[0][step:], n - step
+                if not views[0]:
+                    views.pop(0)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -165,6 +231,23 @@ class TensorReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Staging:
+    """A pinned host buffer and a CUDA stream for each reading thread."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.local = device, threading.local()
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        if getattr(self.local, "buffer", None) is None:
+            self.local.buffer = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+        return self.local.buffer[:nbytes]
+
+    def stream(self) -> torch.cuda.Stream:
+        if getattr(self.local, "stream", None) is None:
+            self.local.stream = torch.cuda.Stream(self.device)
+        return self.local.stream
 
 
 def _read_header(fd: int, path: Path):

@@ -23,7 +23,20 @@ def file_digest(path: Path, threads: int | None = None) -> str:
     threads = threads or min(16, os.cpu_count() or 1)
     with ThreadPoolExecutor(threads) as pool:
         digests = pool.map(lambda start: _chunk_digest(path, start, min(CHUNK, size - start)), range(0, size, CHUNK))
-        return hashlib.sha256(b"".join(digests)).hexdigest()
+        return combined(digests)
+
+
+def combined(chunk_digests) -> str:
+    """A file's digest from its chunks' digests (in file order)."""
+    return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
+
+
+def chunk_digest(pieces) -> bytes:
+    """The digest of one chunk given as buffers that hold its bytes in order."""
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.digest()
 
 
 class ChunkHasher:
@@ -54,7 +67,7 @@ class ChunkHasher:
         try:
             if any(d is None for d in self.digests):
                 raise ValueError(f"{self.path}: hashed before all of it was written")
-            return hashlib.sha256(b"".join(d.result() for d in self.digests)).hexdigest()
+            return combined(d.result() for d in self.digests)
         finally:
             self.pool.shutdown()
 
@@ -87,14 +100,18 @@ def directory_checksums(directory: Path, skip: tuple[str, ...] = ("config.json",
                       for p in files}}
 
 
-def verify_checksums(directory: Path, checksums: dict | None, what: str, own_weights: str) -> None:
+def verify_checksums(directory: Path, checksums: dict | None, what: str, own_weights: str,
+                     digest_own_weights: bool = True) -> str | None:
     """Check the files `checksums` lists against their recorded sizes and digests, but the weights of ranks other
     than `own_weights` (their own loads check them); a missing, truncated or altered file is an error naming it.
-    A directory written before checksums existed is loaded with a one-line notice."""
+    With digest_own_weights=False only the size of `own_weights` is checked and its recorded digest returned, for
+    the reader to check as it reads the file (check_digest). A directory written before checksums existed is loaded
+    with a one-line notice (None returned)."""
     if checksums is None:
         print(f"note: {directory} was written without checksums (by an older Kiln): its files are not verified",
               file=sys.stderr)
-        return
+        return None
+    own_digest = None
     for name, recorded in _recorded_files(directory, checksums).items():
         if _RANK_WEIGHTS.fullmatch(name) and name != own_weights:
             continue
@@ -104,9 +121,17 @@ def verify_checksums(directory: Path, checksums: dict | None, what: str, own_wei
         if path.stat().st_size != recorded.get("bytes"):
             raise ValueError(f"{path}: corrupt or truncated {what} file ({path.stat().st_size} bytes, "
                              f"{recorded.get('bytes')} written)")
-        if file_digest(path) != recorded.get("digest"):
-            raise ValueError(f"{path}: corrupt {what} file (its checksum differs from the one written with it); "
-                             "copy or build it again (--skip_checksum loads it anyway)")
+        if name == own_weights and not digest_own_weights:
+            own_digest = recorded.get("digest")
+        else:
+            check_digest(path, file_digest(path), recorded.get("digest"), what)
+    return own_digest
+
+
+def check_digest(path: Path, digest: str, recorded: str | None, what: str) -> None:
+    if digest != recorded:
+        raise ValueError(f"{path}: corrupt {what} file (its checksum differs from the one written with it); "
+                         "copy or build it again (--skip_checksum loads it anyway)")
 
 
 def _recorded_files(directory: Path, checksums) -> dict[str, dict]:

@@ -49,6 +49,38 @@ def test_written_files_equal_save_file(tmp_path, monkeypatch):
         writer.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_file_read_whole_in_chunks_gives_its_tensors_and_digest(tmp_path, monkeypatch, device):
+    """read_all over 64-byte chunks by three threads: every tensor bit for bit (on `device`) and the file's digest;
+    a file whose tensors leave a gap in its data section is read a tensor at a time, with the same results."""
+    import kiln.checkpoint.safetensors_file as safetensors_file
+
+    monkeypatch.setattr(checksum, "CHUNK", 64)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 64)
+    tensors = {"a": torch.randn(30, 7), "b": torch.randn(3).half(), "empty": torch.zeros(0, 2), "s": torch.tensor(2.5),
+               "f8": torch.randn(41).to(torch.float8_e4m3fn), "i": torch.arange(9, dtype=torch.int64)}
+    save_file(tensors, tmp_path / "whole.safetensors")
+    gap = bytearray((tmp_path / "whole.safetensors").read_bytes())
+    (length,) = struct.unpack("<Q", gap[:8])
+    header = json.loads(gap[8:8 + length])
+    data = gap[8 + length:]
+    start, stop = header["i"]["data_offsets"]
+    header["i"]["data_offsets"] = [len(data) + 8, len(data) + 8 + stop - start]   # 8 bytes no tensor owns, then i
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "gap.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data + bytes(8) +
+                                               data[start:stop])
+    for name in ("whole", "gap"):
+        with TensorReader(tmp_path / f"{name}.safetensors") as f:
+            read, digest = f.read_all(device, hash_file=True, threads=3)
+        assert digest == checksum.file_digest(tmp_path / f"{name}.safetensors")
+        assert set(read) == set(tensors)
+        for key, tensor in tensors.items():
+            assert read[key].device.type == device and read[key].dtype == tensor.dtype
+            assert read[key].shape == tensor.shape and torch.equal(read[key].cpu().reshape(-1).view(torch.uint8),
+                                                                   tensor.reshape(-1).view(torch.uint8)), key
+
+
 def test_random_weights_are_the_same_in_any_order():
     config = PretrainedConfig(architecture="LlamaForCausalLM", dtype="bfloat16", vocab_size=64, hidden_size=32,
                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
