@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kiln.checkpoint.lazy import LazyWeights, materialize
+from kiln.checkpoint.lazy import LazyWeights
 from kiln.checkpoint.lora import adapter_files
 from kiln.checkpoint.safetensors_file import TensorReader, write_tensors
 from kiln.config import BuildConfig, PretrainedConfig
@@ -131,7 +131,7 @@ class Engine:
                  verify: bool = True) -> "Engine":
         """Load and verify an engine: format, Kiln version, config hash, the files' checksums (verify=False skips
         them), and every tensor's name, shape and dtype against the config (from the file's header, before any is
-        read); then each tensor is read into its own buffer and moved to `device`, one at a time."""
+        read); then the weights file is read once onto `device`, in parallel chunks hashed as they arrive."""
         engine_dir = require_dir(engine_dir, "engine directory")
         manifest = read_manifest(engine_dir)
         pretrained = PretrainedConfig.from_dict(manifest["pretrained_config"])
