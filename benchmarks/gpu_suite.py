@@ -81,7 +81,7 @@ def env(args):
     log("gpu", torch.cuda.get_device_name(0))
     log("torch", torch.__version__)
     log("triton", triton.__version__)
-    for setting in filter(None, args.tuning.split(",")):
+    for setting in filter(None, args.tuning.split(";")):
         set_tuning(setting)
     hw = args.hw = bench.Hardware.measure(torch.device("cuda"))        # once: the limits of every phase
     log("copy_TBps", round(hw.copy_bytes_per_s / 1e12, 2))
@@ -453,8 +453,10 @@ def _cslt(weight, x, search: bool):
 
 CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stages), query rows a program, causal split)
-    "kiln": (None, None, 64, False), "kiln_split": (None, None, 64, True), "kiln_t128": (128, (8, 2), 64, True),
-    "kiln_r128": (64, (8, 2), 128, True), "kiln_r128_t128": (128, (8, 3), 128, True),
+    "kiln": (None, None, None, None),  # tuning.PROMPT_ATTENTION
+    "kiln_t64": (64, (4, 2), 64, False), "kiln_t64_split": (64, (4, 2), 64, True),
+    "kiln_r128_t128_s2": (128, (8, 2), 128, True), "kiln_r256_t128": (128, (8, 3), 256, True),
+    "kiln_r128_t64": (64, (4, 3), 128, True),
 }
 
 
@@ -539,8 +541,9 @@ def main():
     p.add_argument("--load_mode", default="bf16", help="the load phase's engine mode (as in --latency_modes)")
     p.add_argument("--work_dir", default=None, help="where the load phase saves its engine (default: the temp dir)")
     p.add_argument("--tuning", default="",
-                   help="comma-separated NAME=VALUE settings of kiln/kernels/triton/tuning.py for this run, e.g. "
-                        "MOE_GROUPED_MM_ROWS=32")
+                   help="semicolon-separated NAME=VALUE settings of kiln/kernels/triton/tuning.py for this run "
+                        "(VALUE a Python literal), e.g. 'MOE_GROUPED_MM_ROWS={}' (never) or "
+                        "'ATTENTION_TILE=128;ATTENTION_LAUNCH=(8, 3)'")
     p.add_argument("--test_paths", default="tests", help="comma-separated pytest paths of the checks phase")
     p.add_argument("--test_timeout", type=int, default=900, help="seconds the checks phase may take")
     args = p.parse_args()

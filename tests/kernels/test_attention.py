@@ -156,7 +156,8 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("block_rows, tile, causal_split", [(64, 64, False), (64, 32, True), (128, 64, True)])
+@pytest.mark.parametrize("block_rows, tile, causal_split", [(64, 64, False), (64, 32, True), (128, 64, True),
+                                                         (None, None, None)])   # tuning.PROMPT_ATTENTION
 @pytest.mark.parametrize("window", [None, 40])
 def test_interpreted_prompt_attention(block_rows, tile, causal_split, window):
     """Prompts, chunks over a cached prefix and one-token rows in one packed step (GQA 4:1, blocks of 16) against
@@ -165,7 +166,7 @@ def test_interpreted_prompt_attention(block_rows, tile, causal_split, window):
     from kiln.kernels.triton.paged_attention import paged_attention
 
     seqs = [(0, 37), (20, 45), (0, 1), (70, 1), (100, 30)]
-    g = torch.Generator().manual_seed(block_rows + tile)
+    g = torch.Generator().manual_seed((block_rows or 1) + (tile or 0))
     q, cache, meta = _scattered_case(seqs, 8, 2, 32, 16, torch.float16, g, spare_blocks=3,   # the interpreter
                                      order_generator=g)                                     # has no bf16
     ref = reference.paged_attention(q.float(), cache.float(), meta, 32 ** -0.5, window)

@@ -539,12 +539,13 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dic
     first_expert .. first_expert + E - 1 of gate_up (E, 2I, H) and down (E, H, I), each a float tensor or a dict of
     `algo`'s tensors. fast_accumulation: FP8 dots accumulate as the tensor cores do (else in float32 per step).
     grouped_mm: the experts' products on torch's grouped GEMMs (True), on this module's kernels (False), or as
-    tuning.MOE_GROUPED_MM_ROWS chooses for T (None)."""
+    tuning.MOE_GROUPED_MM_ROWS chooses for T and the experts' format (None)."""
     gate_up_w, down_w = expert_weights(gate_up, algo), expert_weights(down, algo)
     experts = gate_up_w.weight.shape[0]
     if grouped_mm is None:
-        least = tuning.MOE_GROUPED_MM_ROWS
-        grouped_mm = (least is not None and x.shape[0] * top_k >= least * experts
+        rows = tuning.MOE_GROUPED_MM_ROWS.get("fp8" if gate_up_w.format == FP8 else "bf16")
+        per_expert = x.shape[0] * top_k / experts
+        grouped_mm = (rows is not None and rows[0] <= per_expert and (rows[1] is None or per_expert < rows[1])
                       and grouped_mm_refusal(x, gate_up_w, down_w) is None)
     elif grouped_mm and (refusal := grouped_mm_refusal(x, gate_up_w, down_w)) is not None:
         raise ValueError(refusal)

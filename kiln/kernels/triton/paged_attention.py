@@ -233,12 +233,17 @@ def split_k_partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, t
     return part_m, torch.empty_like(part_m), torch.empty((part_m.numel(), dim), dtype=torch.float32, device=out.device)
 
 
-def attention_config(max_query_len: int, kv_dtype: torch.dtype) -> tuple[int, tuple[int, int], bool]:
-    """(keys per tile, (num_warps, num_stages), word loads of a quantized cache) of the paged attention kernel
-    (tuning.DECODE_FP8_TILE for decode over an e4m3 cache)."""
+def attention_config(max_query_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16
+                     ) -> tuple[int, tuple[int, int], bool, int, bool]:
+    """(keys per tile, (num_warps, num_stages), word loads of a quantized cache, query rows a program holds, causal
+    split) of the paged attention kernel: tuning.DECODE_FP8_TILE for decode over an e4m3 cache,
+    tuning.PROMPT_ATTENTION for steps with prompt tokens and 16-bit queries."""
     if max_query_len == 1 and kv_dtype == torch.float8_e4m3fn:
-        return tuning.DECODE_FP8_TILE, tuning.ATTENTION_LAUNCH, True
-    return tuning.ATTENTION_TILE, tuning.ATTENTION_LAUNCH, True
+        return tuning.DECODE_FP8_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
+    if max_query_len > 1 and q_dtype in (torch.float16, torch.bfloat16):
+        tile, launch, rows, split = tuning.PROMPT_ATTENTION
+        return tile, launch, True, rows, split
+    return tuning.ATTENTION_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
 
 
 @functools.cache
@@ -255,20 +260,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, warps_stages: tuple[int, int] | None = None,
                     word_loads: bool | None = None, mma: bool = True, launch: dict | None = None,
-                    block_rows: int = 64, causal_split: bool = False) -> torch.Tensor:
+                    block_rows: int | None = None, causal_split: bool | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
-    tile (keys per iteration), warps_stages (num_warps, num_stages) and word_loads default to attention_config's.
+    tile (keys per iteration), warps_stages (num_warps, num_stages), word_loads, block_rows and causal_split
+    default to attention_config's.
     A decode step over an 8-bit cache goes to mma_decode_attention where it takes it (mma=False: to the Triton
     kernel, which the tests compare it with). block_rows: query rows (tokens × the KV head's query heads) a prompt
     program holds; causal_split: the tiles below the diagonal run without the causal mask (_paged_attention_kernel's
     CAUSAL_SPLIT)."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
-    default_tile, default_launch, default_words = attention_config(max_query_len, kv_cache.dtype)
+    default_tile, default_launch, default_words, default_rows, default_split = attention_config(
+        max_query_len, kv_cache.dtype, q.dtype)
     tile, (num_warps, num_stages) = tile or default_tile, warps_stages or default_launch
     word_loads = default_words if word_loads is None else word_loads
+    block_rows = block_rows or default_rows
+    causal_split = default_split if causal_split is None else causal_split
     launch = launch_args(launch)
     group = heads // kv_heads
     group_pad = max(1, triton.next_power_of_2(group))

@@ -58,6 +58,12 @@ ATTENTION_TILE = 64                  # bf16 and int8 caches
 DECODE_FP8_TILE = 128                # decode over an e4m3 cache: 5% faster at 512 sequences of 128-256 keys, 14% at
                                      # 256 of 1-2k (benchmarks/gpu_suite.py --phases attn_sweep)
 ATTENTION_LAUNCH = (4, 2)
+# Steps with prompt tokens (16-bit queries): keys per tile, (num_warps, num_stages), query rows (tokens × the KV
+# head's query heads) a program holds, and the causal split (tiles below the diagonal without the mask). One causal
+# sequence, GQA 8:1, head dim 128, on an H100 (benchmarks/gpu_suite.py --phases context_attention), TFLOP/s with a
+# bf16 / FP8 cache: at 2k tokens 196 / 170 against 174 / 142 for tile 64, (4, 2), 64 rows, no split; at 8k 296 / 241
+# against 231 / 187 (torch SDPA flash: 210 at 2k, 327 at 8k).
+PROMPT_ATTENTION = (128, (8, 3), 128, True)
 
 FP8_GEMV = False
 """Decode products (at most gemv.MAX_ROWS rows) of FP8 layers by the CUDA-core GEMV on the engine's e4m3 bytes
@@ -164,7 +170,10 @@ MOE_FP8_CONFIGS = MOE_CONFIGS[:2] + [
     (96, MoeConfig(64, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
     (1 << 62, MoeConfig(128, MoeTile(128, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 8))),
 ]
-# Rows per expert (T·k / E) from which bf16 and FP8 (per-token) experts run on torch's grouped GEMMs
-# (fused_moe.grouped_products, CUTLASS) instead of the Triton kernels above; None: never.
-MOE_GROUPED_MM_ROWS: int | None = None
+# Rows per expert (T·k / E) at which the experts run on torch's grouped GEMMs (fused_moe.grouped_products, CUTLASS)
+# instead of the Triton kernels above: "bf16" and "fp8" (per-token) experts → [least, most) rows (most None: no
+# bound); a format not listed never does. Mixtral's shape on an H100 (benchmarks/moe_bench.py --backends
+# triton,grouped): bf16 1.26x faster at 64 tokens, 1.21x at 512, 1.04x at 1024, 1.19x at 4096, 1.32x at 16384
+# (0.88x at 1 token); FP8 1.14x at 64 tokens but 0.60x at 512, 0.82x at 1024, 0.97x at 4096 (1.08x at 16384).
+MOE_GROUPED_MM_ROWS: dict[str, tuple[int, int | None]] = {"bf16": (16, None), "fp8": (16, 64)}
 MOE_SHARED_MEMORY = 224 << 10     # bytes of operand stages a grouped-GEMM program may hold (H100/H200: 227 KB)
