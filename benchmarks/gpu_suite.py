@@ -383,7 +383,7 @@ def load(args):
 
 def mode_quant(mode: str) -> QuantConfig:
     """The QuantConfig of a mode written ALGO (bf16: none), then +INT8 or +FP8 for a quantized KV cache and +lm_head
-    for a quantized LM head (+gemv, the quant phase's: FP8 decode products on the CUDA-core GEMV)."""
+    for a quantized LM head."""
     algo, *extras = mode.split("+")
     kv = next((e for e in extras if e in ("INT8", "FP8")), None)
     return QuantConfig(quant_algo=None if algo == "bf16" else algo, kv_cache_quant_algo=kv,
@@ -392,14 +392,10 @@ def mode_quant(mode: str) -> QuantConfig:
 
 @phase
 def quant(args):
-    from kiln.kernels.triton import tuning
-
     for mode in filter(None, args.latency_modes.split(",")):
-        tuning.FP8_GEMV = "gemv" in mode.split("+")            # +gemv: FP8 decode products on the CUDA-core GEMV
         with _ready_llm(args, f"quant_{mode}", "latency", 128, 128, 1, mode_quant(mode)) as llm:
             result = _decode(llm, args.model, 3, 128, mode)
             bench.decode_limit_pct(result, llm.engine, args.hw)
-        tuning.FP8_GEMV = False
         log(f"quant_{mode}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
         log(f"quant_{mode}_pct_of_limit", f"{result.hardware_limit_pct or 0:.1f}% of {result.limit_note}")
         gc.collect()
@@ -415,8 +411,6 @@ def sparsity(args):
     """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through torch's
     semi-structured F.linear (what the runtime calls) and cuSPARSELt called directly (its default algorithm, and
     the one its search picks for the shape)."""
-    from torch.sparse import to_sparse_semi_structured
-
     from kiln.kernels.sparse import prune_2_4, sparse_weight
 
     tokens = 2048

@@ -139,48 +139,6 @@ def test_weight_only_gemv(backend, algo, n, k, configs):
             assert rel_err(out, ref) < tolerance, (rows, config, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("backend, n, k, config", [interpreted(16, 256, (8, 32, True)), interpreted(20, 576, (8, 32, False)),
-                                                   interpreted(8, 2048, (4, 64, True)), on_gpu(4096, 4096, None),
-                                                   on_gpu(28672, 4096, None, slow=True),
-                                                   on_gpu(4096, 14336, None, slow=True)])
-def test_fp8_gemv(backend, n, k, config):
-    """The decode GEMV on the engine's row-major e4m3 bytes (every e4m3 value, subnormals too, converted exactly)
-    against the float64 product, 1-4 rows."""
-    device = DEVICE[backend]
-    g = torch.Generator(device=device).manual_seed(n + k)
-    q, s = quant.quantize_fp8(torch.randn((n, k), generator=g, device=device) * 0.05)
-    codes = torch.arange(256, device=device)
-    codes[(codes & 0x7F) == 0x7F] = 0                                  # every e4m3 value but NaN
-    q[0, :256] = codes.to(torch.uint8).view(torch.float8_e4m3fn)[:k]
-    for rows in (1, 2, 3, 4):
-        x = torch.rand((rows, k), generator=g, device=device) * 2 - 0.5
-        ref = x.double() @ (q.double() * s.double()[:, None]).T
-        out = gemv.fp8_gemv(x, q, s, torch.float32, config)
-        assert rel_err(out, ref) < 1e-5, (rows, rel_err(out, ref))
-
-
-@pytest.mark.parametrize("backend", [interpreted(), on_gpu()])
-def test_fp8_decode_products_take_the_gemv(backend, monkeypatch):
-    """With tuning.FP8_GEMV, an FP8 layer's product of at most 4 rows is the GEMV's: the float64 product of the
-    activations as the quantizing kernel made them (Triton's interpreter rounds to e4m3 its own way, so not the
-    reference's quantization) with the e4m3 weights, instead of torch._scaled_mm's."""
-    from kiln.kernels.triton import tuning
-
-    device = DEVICE[backend]
-    g = torch.Generator(device=device).manual_seed(3)
-    params = quantized("FP8_PER_CHANNEL_PER_TOKEN", torch.randn((96, 256), generator=g, device=device) * 0.05, 0)
-    x = (torch.rand((3, 256), generator=g, device=device) * 2 - 0.5).to(torch.float16)
-    monkeypatch.setattr(tuning, "FP8_GEMV", True)
-    called = []
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: called.append(1))
-    products = QuantProducts(TritonOptions())
-    qx, sx = norms.quantize_fp8_rows(x, None, None, products.launch)
-    w = params["weight"].double() * params["weight_scale"].double()[:, None]
-    ref = (qx.double() @ w.T) * sx.double()
-    out = products.linear(x, "FP8_PER_CHANNEL_PER_TOKEN", params, None)
-    assert not called and out.dtype == torch.float16 and rel_err(out, ref) < 2e-3
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16_GPTQ", "W4A16_AWQ"])
 @pytest.mark.parametrize("inter, k, config", [(10, 576, (8, 32, False)), (24, 256, (4, 64, True)), (12, 1536, None)])

@@ -73,17 +73,6 @@ def _unpack(words, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _unpack_fp8(words, j: tl.constexpr):
-    """Value j (byte j) of every word of e4m3 weights, v, as the float32 v·2^-120: its sign moved to bit 31, its
-    exponent and mantissa bits to 23..26 and 20..22 (float32's exponent bias is 120 above e4m3's, and e4m3's
-    subnormals become float32 subnormals: exact, with subnormals kept as _unpack needs them). Also returns 2^60,
-    the factor for x's column: every product comes out as v·x·2^-60."""
-    byte = words >> (8 * j)
-    bits = ((byte & 0x7F) << 20) | ((byte & 0x80) << 24)
-    return bits.to(tl.float32, bitcast=True), 2.0 ** 60
-
-
-@triton.jit
 def _row_products(f, x_factor, x_ptr, cols, ok, p, x_sum):
     """One value of every word times x's matching columns into p (Σ v·x·2^-64); x summed for the zero point.
     cols is (1, W) like a row of the words, so that x arrives in their register layout, loaded once for all rows."""
@@ -132,28 +121,21 @@ def _store_row(out_ptr, acc, row, n, n_ok, row_scale, N, BLOCK_N: tl.constexpr, 
 
 
 _UNIT = tl.constexpr(2.0 ** 64)     # _unpack's products are v·x·2^-64
-_FP8_UNIT = tl.constexpr(2.0 ** 60)     # _unpack_fp8's are v·x·2^-60
 
 
 @triton.jit
 def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, K, ROW_WORDS, GROUPS, num_blocks,
                     acc0, acc1, acc2, acc3,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, HALF_SCALES: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
-                    FP8: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr):
     """The accumulators plus the products of the blocks b0 … b0 + BLOCKS - 1 (`words`) of rows n with every x row."""
     VALS: tl.constexpr = 32 // BITS
     COLS: tl.constexpr = 4 * VALS
     W: tl.constexpr = 4 * BLOCKS
     kw = 4 * b0 + tl.arange(0, W)
-    if FP8:                                                  # row-major bytes: word kw holds columns 4kw .. 4kw+3
-        cols = (4 * kw)[None, :]
-        STEP: tl.constexpr = 1
-    else:                                                    # interleaved: column of each word's value 0
-        cols = ((kw // 4) * COLS + kw % 4)[None, :]
-        STEP: tl.constexpr = 4
+    cols = ((kw // 4) * COLS + kw % 4)[None, :]              # column of each word's value 0
     x_ok = None if EVEN else (kw < ROW_WORDS)[None, :]
-    if BITS == 8 and not FP8:
+    if BITS == 8:
         words = words ^ -0x7F7F7F80                         # 0x80808080: q + 128 in every byte
     p0 = tl.zeros([BLOCK_N, W], tl.float32)
     p1 = tl.zeros([BLOCK_N, W], tl.float32)
@@ -164,11 +146,8 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, K, ROW_WORDS
     x2 = tl.zeros([1, W], tl.float32)
     x3 = tl.zeros([1, W], tl.float32)
     for j in tl.static_range(VALS):
-        if FP8:
-            f, x_factor = _unpack_fp8(words, j)
-        else:
-            f, x_factor = _unpack(words, j, BITS)
-        at = cols + STEP * j
+        f, x_factor = _unpack(words, j, BITS)
+        at = cols + 4 * j
         p0, x0 = _row_products(f, x_factor, x_ptr, at, x_ok, p0, x0)
         if ROWS > 1:
             p1, x1 = _row_products(f, x_factor, x_ptr + K, at, x_ok, p1, x1)
@@ -178,10 +157,7 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, K, ROW_WORDS
             p3, x3 = _row_products(f, x_factor, x_ptr + 3 * K, at, x_ok, p3, x3)
     if BITS == 8:                                            # the row's scale comes at the end
         scale = 1.0
-        if FP8:
-            zero = 0.0
-        else:
-            zero = 128.0 / _UNIT
+        zero = 128.0 / _UNIT
     else:
         blk = b0 + tl.arange(0, BLOCKS)
         if GROUP == 0:
@@ -208,11 +184,9 @@ def _block_products(words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, K, ROW_WORDS
 
 @triton.jit
 def _store_rows(out_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, BITS: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
-    """Every x row's products with the weight rows n (int8, e4m3: times each row's scale)."""
-    if FP8:
-        row_scale = _FP8_UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
-    elif BITS == 8:
+                BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """Every x row's products with the weight rows n (int8: times each row's scale)."""
+    if BITS == 8:
         row_scale = _UNIT * tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     else:
         row_scale = tl.full([BLOCK_N], 1.0, tl.float32)
@@ -230,15 +204,14 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
                              BITS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
                              HALF_SCALES: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN: tl.constexpr,
-                             PREFETCH: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                             PREFETCH: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     """out (ROWS ≤ 4, N) = x @ dequant(w)^T on interleaved words (w viewed as int32, ROW_WORDS per row). Each program
     streams BLOCK_N weight rows, BLOCKS 16-byte blocks of each at a time: with num_warps = BLOCKS / 32 every thread
     holds one block of all BLOCK_N rows, so x's columns arrive in the words' register layout and are loaded and
     converted once for all rows. Products are summed per block and scaled once per block. GROUP 0: one scale per
     row; HALF_SCALES: int4 scale and zero point as one fp16 pair per group (weight_only.load_scale_zero);
     EVEN: N and the blocks divide evenly (no masks); PREFETCH: load the next blocks before this one's math; SILU:
-    the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up; FP8: e4m3 weights, row-major (no
-    interleaving: the same bytes torch._scaled_mm reads), with a scale per row."""
+    the weight rows alternate gate, up and out (ROWS, N/2) gets SiLU(gate)·up."""
     COLS: tl.constexpr = 4 * (32 // BITS)
     W: tl.constexpr = 4 * BLOCKS
     num_blocks = K // COLS
@@ -257,12 +230,12 @@ def _weight_only_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, R
             following = _next_words(w_rows, 4 * b0, kw0, n_ok, ROW_WORDS, W, EVEN)
         acc0, acc1, acc2, acc3 = _block_products(
             words, b0, n, n_ok, x_ptr, scale_ptr, zero_ptr, K, ROW_WORDS, GROUPS, num_blocks,
-            acc0, acc1, acc2, acc3, BITS, HAS_ZERO, GROUP, HALF_SCALES, ROWS, BLOCK_N, BLOCKS, EVEN, FP8)
+            acc0, acc1, acc2, acc3, BITS, HAS_ZERO, GROUP, HALF_SCALES, ROWS, BLOCK_N, BLOCKS, EVEN)
         if PREFETCH:
             words = following
         else:
             words = _next_words(w_rows, 4 * b0, kw0, n_ok, ROW_WORDS, W, EVEN)
-    _store_rows(out_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, BITS, ROWS, BLOCK_N, SILU, FP8)
+    _store_rows(out_ptr, scale_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, BITS, ROWS, BLOCK_N, SILU)
 
 
 def gemv_config(n: int, k: int, rows: int, bits: int) -> tuple[int, int, bool]:
@@ -296,22 +269,5 @@ def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         rows, weight.view(torch.int32), scale2d, scale2d if zero is None else zero, out, n, k, k * bits // 32, groups,
         BITS=bits, HAS_ZERO=zero is not None or half, GROUP=0 if groups == 1 else int4_group_size(k, groups),
         HALF_SCALES=half, ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even, PREFETCH=prefetch, SILU=silu,
-        FP8=False, num_warps=blocks // 32, **launch_args(launch))
-    return out
-
-
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-             config: tuple | None = None, launch: dict | None = None) -> torch.Tensor:
-    """x (at most MAX_ROWS rows; float32 to keep FP8 activations exact) @ (e4m3 weight · scale per row)^T, the
-    weight (N, K) row-major as the engine stores it (K a multiple of 16), each byte read once → (rows, N)."""
-    rows = x.contiguous()
-    m, k = rows.shape
-    n = weight.shape[0]
-    block_n, blocks, prefetch = config or gemv_config(n, k, m, 8)
-    even = n % block_n == 0 and (k // 16) % blocks == 0
-    out = torch.empty((m, n), dtype=out_dtype, device=rows.device)
-    _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
-        rows, weight.view(torch.int32), scale, scale, out, n, k, k // 4, 1,
-        BITS=8, HAS_ZERO=False, GROUP=0, HALF_SCALES=False, ROWS=m, BLOCK_N=block_n, BLOCKS=blocks, EVEN=even,
-        PREFETCH=prefetch, SILU=False, FP8=True, num_warps=blocks // 32, **launch_args(launch))
+        num_warps=blocks // 32, **launch_args(launch))
     return out

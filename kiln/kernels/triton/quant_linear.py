@@ -160,12 +160,8 @@ class QuantProducts:
             else:
                 qx, sx = norms.quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"), self.launch)
                 dtype = x.dtype
-            weight = params["weight"]
-            if tuning.FP8_GEMV and qx.shape[0] <= gemv.MAX_ROWS and weight.shape[1] % 16 == 0:
-                out = gemv.fp8_gemv(qx.float() * sx, weight, params["weight_scale"], dtype, launch=self.launch)
-            else:
-                out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
-                                       out_dtype=dtype, use_fast_accum=self.options.fp8_fast_accumulation)
+            out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
+                                   out_dtype=dtype, use_fast_accum=self.options.fp8_fast_accumulation)
         elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
             qx, sx = quant.quantized_activations(x, algo, params)
             acc = torch._int_mm(qx, params["weight"].t())

@@ -65,11 +65,6 @@ ATTENTION_LAUNCH = (4, 2)
 # against 231 / 187 (torch SDPA flash: 210 at 2k, 327 at 8k).
 PROMPT_ATTENTION = (128, (8, 3), 128, True)
 
-FP8_GEMV = False
-"""Decode products (at most gemv.MAX_ROWS rows) of FP8 layers by the CUDA-core GEMV on the engine's e4m3 bytes
-(gemv.fp8_gemv, the activations dequantized to float32: the same products as torch._scaled_mm's) instead of
-torch._scaled_mm. Off: not yet measured against it (gpu_suite's quant phase turns it on for a mode written +gemv)."""
-
 # --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
 # (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
 # (benchmarks/gpu_suite.py --phases quant_kernels); other shapes: gemv.gemv_config's rule.
