@@ -450,7 +450,8 @@ CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stage
     "kiln": (None, None, None, None),  # tuning.PROMPT_ATTENTION
     "kiln_t64": (64, (4, 2), 64, False), "kiln_t64_split": (64, (4, 2), 64, True),
     "kiln_r128_t128_s2": (128, (8, 2), 128, True), "kiln_r256_t128": (128, (8, 3), 256, True),
-    "kiln_r128_t64": (64, (4, 3), 128, True),
+    "kiln_r128_t64": (64, (4, 3), 128, True), "kiln_r128_t128_s4": (128, (8, 4), 128, True),
+    "kiln_r128_t64_w8": (64, (8, 3), 128, True),
 }
 
 
@@ -499,17 +500,30 @@ def context_attention(args):
             log(f"context_{n}_sdpa_flash_TFLOPs", rate(seconds))
             if varlen_attn is not None:
                 for paged in (False, True):
+                    name = f"context_{n}_varlen_{'paged' if paged else 'packed'}"
                     try:
-                        kw = dict(block_table=tables.int(), seqused_k=lens.int()) if paged else {}
-                        kk, vv = (cache[0], cache[1]) if paged else (k, v)
-                        seconds = bench._cuda_time(lambda: varlen_attn(
-                            q, kk, vv, starts.int(), starts.int(), n, n, scale=scale, window_size=(-1, 0),
-                            enable_gqa=True, **kw), 5)
-                        log(f"context_{n}_varlen_{'paged' if paged else 'packed'}_TFLOPs", rate(seconds))
+                        log(f"{name}_TFLOPs", rate(_varlen_seconds(varlen_attn, q, k, v, cache, tables, lens, starts,
+                                                                   n, scale, paged)))
                     except Exception as err:  # noqa: BLE001
-                        log(f"context_{n}_varlen_{'paged' if paged else 'packed'}_error", repr(err)[:300])
+                        log(f"{name}_error", repr(err)[:300])
         del q, cache
         torch.cuda.empty_cache()
+
+
+def _varlen_seconds(varlen_attn, q, k, v, cache, tables, lens, starts, n: int, scale: float, paged: bool) -> float:
+    """torch's flash varlen attention over the packed (k, v) or the paged cache; a torch without enable_gqa gets
+    K/V heads repeated for every query head (packed only)."""
+    kw = dict(block_table=tables.int(), seqused_k=lens.int()) if paged else {}
+    kk, vv = (cache[0], cache[1]) if paged else (k, v)
+    try:
+        return bench._cuda_time(lambda: varlen_attn(q, kk, vv, starts.int(), starts.int(), n, n, scale=scale,
+                                                    window_size=(-1, 0), enable_gqa=True, **kw), 5)
+    except TypeError:
+        if paged:
+            raise
+        kk, vv = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return bench._cuda_time(lambda: varlen_attn(q, kk, vv, starts.int(), starts.int(), n, n, scale=scale,
+                                                    window_size=(-1, 0)), 5)
 
 
 PHASES = {"context_attention": context_attention, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
