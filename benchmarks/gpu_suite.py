@@ -345,11 +345,15 @@ if sys.argv[2] == "cold":                     # the engine's files out of the pa
             os.close(fd)
 start = time.time()
 from kiln import LLM, SamplingConfig
-llm = LLM(sys.argv[1], device="cuda", quiet=True)
+import contextlib, io
+said = io.StringIO()
+with contextlib.redirect_stderr(said):
+    llm = LLM(sys.argv[1], device="cuda")
 ready = time.time()
 llm.generate([1, 2, 3], SamplingConfig(max_new_tokens=1, end_id=-1))
+split = next((line for line in said.getvalue().splitlines() if line.startswith("ready in")), "")
 print(json.dumps({"load_s": ready - start, "load_to_first_token_s": time.time() - start,
-                  "kernels_compiled_at_load": llm.stats()["kernels_compiled_at_load"]}))
+                  "kernels_compiled_at_load": llm.stats()["kernels_compiled_at_load"], "split": split}))
 llm.shutdown()
 """
 

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import functools
 import sys
+import time
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -272,6 +273,7 @@ class LLM:
             if launched[0] > 0:
                 _serve_launched_worker(model, launched, self.device, parallel_config or ParallelConfig())
             self.device = rank_device(self.device.type, 0, (parallel_config or ParallelConfig()).devices)
+        started = time.perf_counter()
         self.engine = load_engine(model, dtype, build_config, quiet, self.device, parallel_config,
                                   verify=not skip_checksum, revision=revision, quant_config=quant_config,
                                   build_fields=build_fields)
@@ -279,6 +281,7 @@ class LLM:
             if _is_built(model):
                 raise ValueError("async_engine_tmp_dir keeps an engine built here; this one was built already")
             self.engine.save(async_engine_tmp_dir)
+        engine_ready = time.perf_counter()
         draft_engine = self._speculation(model, speculative_config, quiet, skip_checksum, enable_trt_overlap)
         build_limits = self.engine.build_config
         if not enable_chunked_context and build_limits.max_num_tokens < build_limits.max_input_len:
@@ -301,6 +304,9 @@ class LLM:
                                draft_engine=draft_engine)
         if not quiet:
             print(self.core.memory_line, file=sys.stderr)
+            print(f"ready in {time.perf_counter() - started:.1f} s: engine {engine_ready - started:.1f} s (loaded or "
+                  f"built), runtime {time.perf_counter() - engine_ready:.1f} s (weights laid out for the kernels, KV "
+                  "cache, CUDA graphs)", file=sys.stderr)
         failure = self._workers.failure if self._workers is not None else None
         self._executor = GenerationExecutor(self.core, copy.deepcopy(self.tokenizer), failure)
         self._next_request_id = 0
