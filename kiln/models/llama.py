@@ -272,7 +272,8 @@ class DecoderForCausalLM(nn.Module):
         self.config, self.dims = config, local_dims(config)
         self.comm = Comm()
         if self.dims.first_stage or (config.tie_word_embeddings and self.dims.last_stage):
-            self.embed_tokens = nn.Embedding(*embedding_shape(config))
+            shape = embedding_shape(config)    # no random init: on the meta device it costs a second (its import)
+            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in self.dims.layers})
         if self.dims.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.norm_epsilon)
