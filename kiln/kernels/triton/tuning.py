@@ -28,7 +28,7 @@ class TritonOptions:
     (INT4_MMA_SHAPES, else few row blocks per SM), "all", or "off"."""
     silu_in_gemv: tuple[int, ...] = (8,)
     """Bit widths whose gate/up rows the CUDA-core decode GEMV pairs at load to write SiLU(gate)·up itself: int8
-    +4.4% at batch 1, int4 -6.4% (benchmarks/gpu_suite.py --phases decode_fusions, H200)."""
+    +4.4% at batch 1, int4 -6.4% (H200; gpu_suite's decode_fusions sweep, in git history)."""
     fold_norms: bool = True
     """At one row, o/down on int4_mma add the residual and hand the next RMSNorm to qkv/gate_up on int4_mma
     (kiln.kernels.fusion): 8B W4A16_AWQ batch 1, 550.4 -> 578.6 tok/s (22 runs, H200)."""
@@ -51,12 +51,12 @@ BUSY_WARPS = 2048        # one-warp programs (mma_decode_attention): ~16 per mul
 LONG_CONTEXT = 1024      # sequences longer than this split whatever the batch size
 MIN_PARTITION = 64       # keys of the shortest partition: four 16-key steps of one warp, one tile of the Triton kernel
 # Small batches split down to MIN_PARTITION so that programs × partitions fill the GPU: batch 1 over 256 keys 7.9 ->
-# 4.8 µs, over 1024 keys 16.6 -> 6.6 µs (benchmarks/gpu_suite.py --phases attn_split).
+# 4.8 µs, over 1024 keys 16.6 -> 6.6 µs (gpu_suite's attn_split sweep, in git history).
 
 # --- paged attention: keys per tile, (num_warps, num_stages) -----------------------------------------------------
 ATTENTION_TILE = 64                  # bf16 and int8 caches
 DECODE_FP8_TILE = 128                # decode over an e4m3 cache: 5% faster at 512 sequences of 128-256 keys, 14% at
-                                     # 256 of 1-2k (benchmarks/gpu_suite.py --phases attn_sweep)
+                                     # 256 of 1-2k (gpu_suite's attn_sweep, in git history)
 ATTENTION_LAUNCH = (4, 2)
 # Steps with prompt tokens (16-bit queries): keys per tile, (num_warps, num_stages), query rows (tokens × the KV
 # head's query heads) a program holds, and the causal split (tiles below the diagonal without the mask). One causal
@@ -67,7 +67,7 @@ PROMPT_ATTENTION = (128, (8, 3), 128, True)
 
 # --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
 # (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
-# (benchmarks/gpu_suite.py --phases quant_kernels); other shapes: gemv.gemv_config's rule.
+# (gpu_suite's quant_kernels sweep, in git history); other shapes: gemv.gemv_config's rule.
 GEMV_CONFIGS = {(6144, 4096, 4): (8, 64, True), (4096, 4096, 4): (4, 64, True), (28672, 4096, 4): (8, 64, True),
                 (4096, 14336, 4): (4, 64, True), (6144, 4096, 8): (4, 64, True), (4096, 4096, 8): (4, 128, True),
                 (28672, 4096, 8): (8, 128, True), (4096, 14336, 8): (4, 128, True)}
