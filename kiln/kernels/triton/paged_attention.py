@@ -233,17 +233,32 @@ def split_k_partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, t
     return part_m, torch.empty_like(part_m), torch.empty((part_m.numel(), dim), dtype=torch.float32, device=out.device)
 
 
-def attention_config(max_query_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16
+def attention_config(max_query_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16,
+                     dim: int = 128, device: torch.device | None = None
                      ) -> tuple[int, tuple[int, int], bool, int, bool]:
     """(keys per tile, (num_warps, num_stages), word loads of a quantized cache, query rows a program holds, causal
     split) of the paged attention kernel: tuning.DECODE_FP8_TILE for decode over an e4m3 cache,
-    tuning.PROMPT_ATTENTION for steps with prompt tokens and 16-bit queries."""
+    tuning.PROMPT_ATTENTION for steps with prompt tokens and 16-bit queries where its K/V stages fit the GPU's shared
+    memory (Hopper's 227 KB at head dim 128; not the ~100 KB of GeForce cards)."""
     if max_query_len == 1 and kv_dtype == torch.float8_e4m3fn:
         return tuning.DECODE_FP8_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
     if max_query_len > 1 and q_dtype in (torch.float16, torch.bfloat16):
         tile, launch, rows, split = tuning.PROMPT_ATTENTION
-        return tile, launch, True, rows, split
+        if launch[1] * 2 * tile * dim * 2 <= shared_memory(device):      # stages × (K, V) × 16-bit values
+            return tile, launch, True, rows, split
     return tuning.ATTENTION_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
+
+
+def shared_memory(device: torch.device | None) -> int:
+    """Bytes of shared memory one program may hold on `device` (no limit off the GPU: Triton's interpreter)."""
+    if device is None or device.type != "cuda":
+        return 1 << 62
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @functools.cache
@@ -273,7 +288,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words, default_rows, default_split = attention_config(
-        max_query_len, kv_cache.dtype, q.dtype)
+        max_query_len, kv_cache.dtype, q.dtype, dim, q.device)
     tile, (num_warps, num_stages) = tile or default_tile, warps_stages or default_launch
     word_loads = default_words if word_loads is None else word_loads
     block_rows = block_rows or default_rows

@@ -62,7 +62,8 @@ ATTENTION_LAUNCH = (4, 2)
 # head's query heads) a program holds, and the causal split (tiles below the diagonal without the mask). One causal
 # sequence, GQA 8:1, head dim 128, on an H100 (benchmarks/gpu_suite.py --phases context_attention), TFLOP/s with a
 # bf16 / FP8 cache: at 2k tokens 196 / 170 against 174 / 142 for tile 64, (4, 2), 64 rows, no split; at 8k 296 / 241
-# against 231 / 187 (torch SDPA flash: 210 at 2k, 327 at 8k).
+# against 231 / 187 (torch SDPA flash: 210 at 2k, 327 at 8k). GPUs whose shared memory cannot hold its K/V stages
+# keep the general tiles (paged_attention.attention_config).
 PROMPT_ATTENTION = (128, (8, 3), 128, True)
 
 # --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
