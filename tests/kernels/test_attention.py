@@ -158,12 +158,12 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
 def test_prompt_tiles_fall_back_where_their_stages_do_not_fit(monkeypatch):
     """tuning.PROMPT_ATTENTION needs its K/V stages in shared memory: an H100's 227 KB holds them at head dim 128, a
     GeForce card's ~100 KB does not (nor does head dim 256 on an H100), and those get the general tiles."""
-    from kiln.kernels.triton import paged_attention, tuning
+    from kiln.kernels.triton import launch, paged_attention, tuning
 
     cuda = torch.device("cuda", 0)
     for shared, dim, expected in ((232448, 128, tuning.PROMPT_ATTENTION[0]), (101376, 128, tuning.ATTENTION_TILE),
                                   (232448, 256, tuning.ATTENTION_TILE), (101376, 64, tuning.PROMPT_ATTENTION[0])):
-        monkeypatch.setattr(paged_attention, "_shared_memory", lambda index, shared=shared: shared)
+        monkeypatch.setattr(launch, "_shared_memory", lambda index, shared=shared: shared)
         assert paged_attention.attention_config(2048, torch.bfloat16, torch.bfloat16, dim, cuda)[0] == expected
     assert paged_attention.attention_config(2048, torch.bfloat16, torch.float32, 128, cuda)[3] == 64
 

@@ -395,3 +395,24 @@ def test_grouped_mm_path_refuses_what_it_cannot_run():
     assert "Hopper" in grouped_mm_refusal(x, *w)
     with pytest.raises(ValueError, match="Hopper GPUs"):
         fused_moe(x, router, gate_up, down, 2, True, 0, "FP8", grouped_mm=True)
+
+
+@pytest.mark.parametrize("shared", [232448, 166912, 101376])        # H100/H200, A100, GeForce
+def test_expert_tiles_fit_the_gpus_shared_memory(monkeypatch, shared):
+    """Every tuned configuration's operand stages, for Mixtral's projections in every expert format, fit the
+    shared memory of the GPU they run on (an H100's 227 KB bounds them at MOE_SHARED_MEMORY)."""
+    from kiln.kernels.triton import fused_moe, tuning
+
+    monkeypatch.setattr(fused_moe, "shared_memory", lambda device: shared)
+    room = min(tuning.MOE_SHARED_MEMORY, shared - (3 << 10))
+    formats = {fused_moe.FLOAT: (torch.bfloat16, 1, 2), fused_moe.FP8: (torch.float8_e4m3fn, 1, 1),
+               fused_moe.INT8: (torch.int8, 1, 2), fused_moe.INT4: (torch.uint8, 2, 2)}
+    for form, (dtype, packed, a_bytes) in formats.items():
+        for out, inp, halves in ((2 * 14336, 4096, 2), (4096, 14336, 1)):
+            weight = torch.empty(8, out // halves * halves, inp // packed, dtype=dtype, device="meta")
+            w = fused_moe.ExpertWeights(form, weight, None, None, 128 if form == fused_moe.INT4 else 0, None)
+            for _, config in tuning.MOE_CONFIGS + tuning.MOE_FLOAT_CONFIGS + tuning.MOE_FP8_CONFIGS:
+                for tile in (config.gate_up, config.down):
+                    block_n, block_k, stages = fused_moe._tile(tile, w, config.block_m, a_bytes, halves)
+                    w_bytes = weight.element_size() / packed
+                    assert stages * (config.block_m * block_k * a_bytes + halves * block_n * block_k * w_bytes) <= room

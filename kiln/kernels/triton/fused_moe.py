@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..quant import int4_group_size
-from .launch import launch_args, wait_for_inputs
+from .launch import launch_args, shared_memory, wait_for_inputs
 from .norms import fp8_row_scale, quantize_fp8_rows, silu_and_mul, silu_and_mul_fp8, silu_mul, store_fp8_row
 from . import tuning
 from .tuning import MOE_CONFIGS, MOE_FLOAT_CONFIGS, MOE_FP8_CONFIGS, MOE_SHARED_MEMORY, MoeConfig, MoeTile
@@ -442,7 +442,7 @@ def _sum_top_k_kernel(partial_ptr, ids_ptr, out_ptr, T, N, FIRST, EXPERTS, TOP_K
 def _tile(tile: MoeTile, w: ExpertWeights, block_m: int, a_bytes: int, halves: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, stages) of `tile` for this projection: no wider than its shape needs, a step within one
     int4 group, at least 16 deep (32 for e4m3 dots and for int4's two dots of half a step each), and no more
-    operand stages than fit MOE_SHARED_MEMORY (fewer stages first, then shallower steps: float32 activations and
+    operand stages than fit MOE_SHARED_MEMORY and the GPU's shared memory (fewer stages first, then shallower steps: float32 activations and
     weights need four times e4m3's room)."""
     block_n = max(16, min(tile.block_n, triton.next_power_of_2(w.out_features)))
     least = 16 if w.format in (FLOAT, INT8) else 32
@@ -450,10 +450,11 @@ def _tile(tile: MoeTile, w: ExpertWeights, block_m: int, a_bytes: int, halves: i
     block_k = min(block_k, w.group) if w.group else block_k
     w_bytes = w.weight.element_size() / (2 if w.format == INT4 else 1)
     stage = lambda k: block_m * k * a_bytes + halves * block_n * k * w_bytes  # noqa: E731
+    room = min(MOE_SHARED_MEMORY, shared_memory(w.weight.device) - (3 << 10))  # what the GPU has, less the rest
     stages = tile.num_stages
-    while stages > 2 and stages * stage(block_k) > MOE_SHARED_MEMORY:
+    while stages > 2 and stages * stage(block_k) > room:
         stages -= 1
-    while block_k > least and stages * stage(block_k) > MOE_SHARED_MEMORY:
+    while block_k > least and stages * stage(block_k) > room:
         block_k //= 2
     return block_n, block_k, stages
 

@@ -25,6 +25,19 @@ def pdl_supported() -> bool:
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
+def shared_memory(device: torch.device | None) -> int:
+    """Bytes of shared memory one program may hold on `device` (227 KB on an H100/H200, ~100 KB on GeForce cards;
+    no limit off the GPU: Triton's interpreter)."""
+    if device is None or device.type != "cuda":
+        return 1 << 62
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 def launch_options(pdl: bool = True) -> dict:
     """Launch options of every kernel: the PDL constexpr and launch_pdl, together (PDL where supported)."""
     return {"PDL": True, "launch_pdl": True} if pdl and pdl_supported() else {"PDL": False}

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import mma_decode_attention, tuning
-from .launch import launch_args, wait_for_inputs
+from .launch import launch_args, shared_memory, wait_for_inputs
 from .rope_cache import kv_quant
 
 ONE_PARTITION = 1 << 30     # PART_TOKENS of an unsplit sequence: more keys than any sequence has
@@ -247,18 +247,6 @@ def attention_config(max_query_len: int, kv_dtype: torch.dtype, q_dtype: torch.d
         if launch[1] * 2 * tile * dim * 2 <= shared_memory(device):      # stages × (K, V) × 16-bit values
             return tile, launch, True, rows, split
     return tuning.ATTENTION_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
-
-
-def shared_memory(device: torch.device | None) -> int:
-    """Bytes of shared memory one program may hold on `device` (no limit off the GPU: Triton's interpreter)."""
-    if device is None or device.type != "cuda":
-        return 1 << 62
-    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _shared_memory(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @functools.cache
