@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.utils.checksum import CHUNK, ChunkHasher, chunk_digest, combined
+from kiln.utils.checksum import CHUNK, ChunkHasher, chunk_digest, combined, file_digest
 
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -167,8 +167,6 @@ class TensorReader:
         tiled = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and \
             (not ranges or (ranges[0][0] == 0 and self.data_start + ranges[-1][1] == size))
         if not tiled:
-            from kiln.utils.checksum import file_digest
-
             return ({name: self.read(name, device) for name in self.entries},
                     file_digest(self.path) if hash_file else None)
         flat = {name: torch.empty(end - start, dtype=torch.uint8, device=device) for start, end, name in ranges}

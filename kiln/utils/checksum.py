@@ -122,7 +122,7 @@ def verify_checksums(directory: Path, checksums: dict | None, what: str, own_wei
             raise ValueError(f"{path}: corrupt or truncated {what} file ({path.stat().st_size} bytes, "
                              f"{recorded.get('bytes')} written)")
         if name == own_weights and not digest_own_weights:
-            own_digest = recorded.get("digest")
+            own_digest = recorded.get("digest") or ""      # none recorded: no file matches it, as below
         else:
             check_digest(path, file_digest(path), recorded.get("digest"), what)
     return own_digest

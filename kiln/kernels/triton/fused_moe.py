@@ -442,8 +442,8 @@ def _sum_top_k_kernel(partial_ptr, ids_ptr, out_ptr, T, N, FIRST, EXPERTS, TOP_K
 def _tile(tile: MoeTile, w: ExpertWeights, block_m: int, a_bytes: int, halves: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, stages) of `tile` for this projection: no wider than its shape needs, a step within one
     int4 group, at least 16 deep (32 for e4m3 dots and for int4's two dots of half a step each), and no more
-    operand stages than fit MOE_SHARED_MEMORY and the GPU's shared memory (fewer stages first, then shallower steps: float32 activations and
-    weights need four times e4m3's room)."""
+    operand stages than fit MOE_SHARED_MEMORY and the GPU's shared memory (fewer stages first, then shallower
+    steps: float32 activations and weights need four times e4m3's room)."""
     block_n = max(16, min(tile.block_n, triton.next_power_of_2(w.out_features)))
     least = 16 if w.format in (FLOAT, INT8) else 32
     block_k = max(least, min(tile.block_k, triton.next_power_of_2(w.in_features)))
