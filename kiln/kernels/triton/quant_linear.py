@@ -5,7 +5,7 @@ Weight-only int4 layers go to int4_mma's fragment layout where it is faster (tun
 (and int8) to the interleaved layout of the CUDA-core decode GEMV (gemv.py), with int4 group scales and zero points
 as fp16 pairs where fp16 holds them: 4 bytes a group instead of 8, never slower in three H200 runs (W4A16_AWQ batch
 1, the decode_fusions phase of gpu_suite: tuning.py). Products of more rows go to weight_only.py; FP8 layers to one
-quantizing kernel and torch._scaled_mm; W8A8 to torch._int_mm.
+quantizing kernel and fp8_decode (few rows) or torch._scaled_mm; W8A8 to torch._int_mm.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from .. import quant
 from ..fusion import DeferredNorm, ResidualSum
 from ..quant import Fp8Rows
-from . import gemv, int4_fragments, int4_mma, norms, tuning, weight_only
+from . import fp8_decode, gemv, int4_fragments, int4_mma, norms, tuning, weight_only
 from .launch import launch_options
 from .tuning import TritonOptions
 
@@ -160,8 +160,13 @@ class QuantProducts:
             else:
                 qx, sx = norms.quantize_fp8_rows(x, params.get("smoother"), params.get("input_scale"), self.launch)
                 dtype = x.dtype
-            out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
-                                   out_dtype=dtype, use_fast_accum=self.options.fp8_fast_accumulation)
+            fast = self.options.fp8_fast_accumulation
+            if fp8_decode.takes(qx, params["weight"]):
+                out = fp8_decode.fp8_decode_matmul(qx, sx, params["weight"], params["weight_scale"], dtype, fast,
+                                                   launch=self.launch)
+            else:
+                out = torch._scaled_mm(qx, params["weight"].t(), scale_a=sx, scale_b=params["weight_scale"][None, :],
+                                       out_dtype=dtype, use_fast_accum=fast)
         elif x.shape[0] > 16 and x.shape[1] % 8 == 0 and params["weight"].shape[0] % 8 == 0:
             qx, sx = quant.quantized_activations(x, algo, params)
             acc = torch._int_mm(qx, params["weight"].t())

@@ -76,6 +76,13 @@ GEMV_CONFIGS = {(6144, 4096, 4): (8, 64, True), (4096, 4096, 4): (4, 64, True), 
 GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 128, True), (4, 128, True),
               (8, 32, True), (16, 32, True)]
 
+# --- FP8 products of few rows (fp8_decode, the weight as the MMA's wide side) -------------------------------------
+# Products of up to FP8_DECODE_ROWS rows run on fp8_decode instead of torch._scaled_mm (0: never; off until measured).
+# (N, K) → (BLOCK_N, BLOCK_K, num_warps, num_stages); other shapes FP8_DECODE_CONFIG.
+FP8_DECODE_ROWS = 0
+FP8_DECODE_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+FP8_DECODE_CONFIG = (64, 256, 4, 4)
+
 # --- int4 on the tensor cores (int4_mma) -------------------------------------------------------------------------
 # (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py
 # --phases int4_mma and batch-1 decode; Llama-3.1-8B shapes): o 3.1 µs, down 10.8, gate_up 18.5 (CUDA-core 21.4),
