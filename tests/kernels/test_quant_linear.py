@@ -318,17 +318,22 @@ def test_interpreted_fused_decode_gives_the_reference_tokens(gemv_products, tiny
 
 # --- FP8 products of few rows (fp8_decode) --------------------------------------------------------------------------
 def _fp8_decode_cases():
-    """Interpreter: a partial last program (80 rows of 64), K stepped 128 at a time, one weight scale for all;
-    GPU: the Llama-3.1-8B shapes on the engine's tiles."""
-    return ([interpreted(80, 512, (64, 128, 4, 2), True), interpreted(64, 96, None, False)]
-            + [on_gpu(n, k, None, True) for n, k in ((6144, 4096), (4096, 14336))]
+    """Interpreter: a partial last program (80 rows of 64), K in 128-column steps and split in two or three, one
+    weight scale for all; GPU: the Llama-3.1-8B shapes on the engine's tiles and split."""
+    from kiln.kernels.triton.tuning import Fp8DecodeTile
+
+    return ([interpreted(80, 512, Fp8DecodeTile(64, 128, 4, 2), True),
+             interpreted(80, 768, Fp8DecodeTile(64, 128, 4, 2, split=3), False), interpreted(64, 96, None, False)]
+            + [on_gpu(n, k, tile, True) for n, k in ((6144, 4096), (4096, 14336))
+               for tile in (None, Fp8DecodeTile(64, 256, 4, 4, split=4))]
             + [on_gpu(n, k, None, False, slow=True) for n, k in ((28672, 4096), (4096, 4096), (1000, 576))])
 
 
 @pytest.mark.parametrize("backend, n, k, tile, row_scales", _fp8_decode_cases())
 @pytest.mark.parametrize("fast", [True, False])
 def test_fp8_decode_matmul(backend, n, k, tile, row_scales, fast):
-    """The swapped FP8 product against the float64 product of the same e4m3 values and scales, 1-16 rows."""
+    """The swapped FP8 product against the float64 product of the same e4m3 values and scales, 1-16 rows, twice in a
+    row (a split product's counters are back at zero for the next)."""
     from kiln.kernels.triton import fp8_decode
 
     device = DEVICE[backend]
@@ -337,7 +342,7 @@ def test_fp8_decode_matmul(backend, n, k, tile, row_scales, fast):
     if not row_scales:
         w_scale = w_scale.max().reshape(1)
     tolerance = 1e-5 if backend == "interpreter" else (2e-3 if fast else 1e-4)
-    for rows in (1, 3, 16):
+    for rows in (1, 3, 16, 3):
         x, x_scale = quant.quantize_activations_fp8(torch.randn((rows, k), generator=g, device=device))
         ref = (x.double() @ w.double().t()) * x_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)
         out = fp8_decode.fp8_decode_matmul(x, x_scale, w, w_scale, torch.float32, fast, tile)
@@ -351,7 +356,11 @@ def test_fp8_decode_takes_products_of_few_rows_and_steppable_columns(monkeypatch
     w = torch.empty((64, 4096), dtype=torch.float8_e4m3fn)
     assert fp8_decode.takes(torch.empty((16, 4096)), w)
     assert not fp8_decode.takes(torch.empty((17, 4096)), w)
-    assert fp8_decode.config(64, 96) == (64, 32, *fp8_decode.config(64, 4096)[2:])
+    assert fp8_decode.config(64, 96).block_k == 32
     assert not fp8_decode.takes(torch.empty((1, 80)), torch.empty((64, 80), dtype=torch.float8_e4m3fn))
-    monkeypatch.setattr(tuning, "FP8_DECODE_ROWS", 0)
+    monkeypatch.setattr(tuning, "FP8_DECODE_CONFIG", tuning.Fp8DecodeTile(block_k=256, split=4))
+    assert fp8_decode.config(64, 4096).block_k == 256 and fp8_decode.config(64, 1536).block_k == 128
+    monkeypatch.setattr(tuning, "FP8_DECODE_CONFIGS", {(64, 4096): None})
     assert not fp8_decode.takes(torch.empty((1, 4096)), w)
+    monkeypatch.setattr(tuning, "FP8_DECODE_ROWS", 0)
+    assert not fp8_decode.takes(torch.empty((1, 96)), torch.empty((64, 96), dtype=torch.float8_e4m3fn))

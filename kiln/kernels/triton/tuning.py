@@ -77,11 +77,21 @@ GEMV_SWEEP = [(8, 64, True), (8, 64, False), (16, 64, True), (4, 64, True), (8, 
               (8, 32, True), (16, 32, True)]
 
 # --- FP8 products of few rows (fp8_decode, the weight as the MMA's wide side) -------------------------------------
+@dataclass(frozen=True)
+class Fp8DecodeTile:
+    """fp8_decode's tile: BLOCK_N weight rows a program, BLOCK_K columns a step, K split over `split` programs."""
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    split: int = 1
+
+
 # Products of up to FP8_DECODE_ROWS rows run on fp8_decode instead of torch._scaled_mm (0: never; off until measured).
-# (N, K) → (BLOCK_N, BLOCK_K, num_warps, num_stages); other shapes FP8_DECODE_CONFIG.
+# (N, K) → its tile, None: that shape stays on cuBLAS; other shapes FP8_DECODE_CONFIG.
 FP8_DECODE_ROWS = 0
-FP8_DECODE_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-FP8_DECODE_CONFIG = (64, 256, 4, 4)
+FP8_DECODE_CONFIGS: dict[tuple[int, int], Fp8DecodeTile | None] = {}
+FP8_DECODE_CONFIG = Fp8DecodeTile()
 
 # --- int4 on the tensor cores (int4_mma) -------------------------------------------------------------------------
 # (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py
