@@ -151,6 +151,28 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
         _same_greedy_tokens_up_to_ties(cpu.outputs[0], gpu.outputs[0])
 
 
+@pytest.mark.gpu
+def test_fp8_decode_products_give_the_scaled_mm_tokens(monkeypatch):
+    """A SmolLM2-shaped FP8 (per channel, per token) model in bf16 on the GPU, decode products (CUDA graphs) on
+    torch._scaled_mm, on fp8_decode and on fp8_decode with K split in three (counters reset between products):
+    the same e4m3 products summed in another order, so the same greedy tokens up to near-ties."""
+    from kiln.kernels.triton import tuning
+
+    model = random_smollm2("bfloat16", 5, "FP8_PER_CHANNEL_PER_TOKEN")
+    build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
+    prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
+    outputs = {}
+    for variant, rows, tile in (("cublas", 0, tuning.Fp8DecodeTile()), ("swapped", 16, tuning.Fp8DecodeTile()),
+                                ("split", 16, tuning.Fp8DecodeTile(split=3))):
+        monkeypatch.setattr(tuning, "FP8_DECODE_ROWS", rows)
+        monkeypatch.setattr(tuning, "FP8_DECODE_CONFIG", tile)
+        with LLM(model, build_config=build, device="cuda", quiet=True) as llm:
+            outputs[variant] = llm.generate(prompts, SamplingConfig(max_new_tokens=16, end_id=-1, logprobs=2))
+    for variant in ("swapped", "split"):
+        for plain, swapped in zip(outputs["cublas"], outputs[variant]):
+            _same_greedy_tokens_up_to_ties(plain.outputs[0], swapped.outputs[0], tie=5e-2)
+
+
 @pytest.mark.parametrize("kv", gpu_cases(["FP8", "INT8"], default=["FP8"]))
 def test_quantized_kv_cache_model_matches_the_cpu_path(kv, monkeypatch):
     """A SmolLM2-shaped float32 model with an 8-bit KV cache: CUDA-graph decode steps (mma.sync decode attention,
