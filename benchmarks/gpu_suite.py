@@ -23,6 +23,8 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
   context_attention  causal prompt attention TFLOP/s at 1k..32k tokens, GQA 8:1, bf16 and FP8 caches: Kiln's
               kernel (a few tile choices) beside torch's SDPA flash backend and varlen flash attention
+  fp8_decode  FP8 products of 1 and 8 rows (the 8B and 70B projections, the 8B LM head): torch._scaled_mm beside
+              fp8_decode on the engine's tile and on the alternatives of FP8_DECODE_SWEEP, µs and TB/s of weights
   sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
               tokens, bf16
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
@@ -410,6 +412,67 @@ def quant(args):
                     fp8)
 
 
+FP8_DECODE_SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),
+                     "8b_down": (4096, 14336), "8b_lm_head": (128256, 4096), "70b_qkv": (10240, 8192),
+                     "70b_o": (8192, 8192), "70b_gate_up": (57344, 8192), "70b_down": (8192, 28672)}
+FP8_DECODE_SWEEP = [(64, 256, 4, 4, 1), (64, 256, 4, 6, 1), (128, 256, 4, 4, 1), (64, 512, 4, 3, 1), (64, 128, 4, 8, 1),
+                    (64, 256, 4, 4, 2), (64, 256, 4, 4, 4)]    # Fp8DecodeTile fields
+
+
+def _graph_microseconds(fn, reps: int = 20) -> float:
+    """Best of five replays of a CUDA graph of `reps` calls, µs a call (no launch gaps, as in a decode step)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+@phase
+def fp8_decode(args):
+    """FP8 products of few rows: torch._scaled_mm beside fp8_decode (the engine's tile, then FP8_DECODE_SWEEP's),
+    each call reading another copy of the weight (at least 256 MB between reuses: no help from the L2 cache)."""
+    from kiln.kernels.triton import fp8_decode as kernel
+    from kiln.kernels.triton.tuning import Fp8DecodeTile
+
+    for name, (n, k) in FP8_DECODE_SHAPES.items():
+        copies = [torch.randn(n, k, device="cuda").div(8).to(torch.float8_e4m3fn)
+                  for _ in range(max(2, min(8, -(-(256 << 20) // (n * k)))))]
+        scale = torch.rand(n, device="cuda") + 0.5
+        turn = iter(range(1 << 62))
+        weight = lambda: copies[next(turn) % len(copies)]             # noqa: E731 - the next copy each call
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device="cuda").to(torch.float8_e4m3fn)
+            x_scale = torch.rand(rows, 1, device="cuda") + 0.5
+            variants = {"scaled_mm": lambda: torch._scaled_mm(x, weight().t(), scale_a=x_scale, scale_b=scale[None, :],
+                                                               out_dtype=torch.bfloat16, use_fast_accum=True),
+                        "engine": lambda: kernel.fp8_decode_matmul(x, x_scale, weight(), scale, torch.bfloat16)}
+            for fields in FP8_DECODE_SWEEP if rows == 1 else []:
+                tile = Fp8DecodeTile(*fields)
+                if k % (tile.block_k * tile.split) == 0:
+                    variants["tile_" + "_".join(map(str, fields))] = (
+                        lambda tile=tile: kernel.fp8_decode_matmul(x, x_scale, weight(), scale, torch.bfloat16,
+                                                                   tile=tile))
+            for variant, fn in variants.items():
+                micros = _graph_microseconds(fn)
+                log(f"fp8_decode_{name}_m{rows}_{variant}_us", f"{micros:.1f} ({n * k / micros / 1e6:.2f} TB/s)")
+        copies.clear()
+        torch.cuda.empty_cache()
+
+
 @phase
 def sparsity(args):
     """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through torch's
@@ -530,7 +593,7 @@ def _varlen_seconds(varlen_attn, q, k, v, cache, tables, lens, starts, n: int, s
                                                     window_size=(-1, 0)), 5)
 
 
-PHASES = {"context_attention": context_attention, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+PHASES = {"context_attention": context_attention, "fp8_decode": fp8_decode, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
           "lora": lora}
 
 

@@ -341,7 +341,9 @@ def test_fp8_decode_matmul(backend, n, k, tile, row_scales, fast):
     w, w_scale = quant.quantize_fp8(torch.randn((n, k), generator=g, device=device) * 0.05)
     if not row_scales:
         w_scale = w_scale.max().reshape(1)
-    tolerance = 1e-5 if backend == "interpreter" else (2e-3 if fast else 1e-4)
+    # fast accumulation sums in the tensor cores' reduced precision: 2.9e-3 at K = 14336 on an H100, as
+    # torch._scaled_mm's use_fast_accum (3.4e-3 for the same shape in benchmarks, bf16 out)
+    tolerance = 1e-5 if backend == "interpreter" else (5e-3 if fast else 1e-4)
     for rows in (1, 3, 16, 3):
         x, x_scale = quant.quantize_activations_fp8(torch.randn((rows, k), generator=g, device=device))
         ref = (x.double() @ w.double().t()) * x_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)
@@ -364,3 +366,27 @@ def test_fp8_decode_takes_products_of_few_rows_and_steppable_columns(monkeypatch
     assert not fp8_decode.takes(torch.empty((1, 4096)), w)
     monkeypatch.setattr(tuning, "FP8_DECODE_ROWS", 0)
     assert not fp8_decode.takes(torch.empty((1, 96)), torch.empty((64, 96), dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.gpu
+def test_fp8_decode_split_products_replay_in_a_cuda_graph():
+    """Split products captured in a CUDA graph, three of them back to back, replayed three times: every replay gives
+    the float64 product (the counters are back at zero after each)."""
+    from kiln.kernels.triton import fp8_decode
+    from kiln.kernels.triton.tuning import Fp8DecodeTile
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w, w_scale = quant.quantize_fp8(torch.randn((4096, 4096), generator=g, device="cuda") * 0.05)
+    x, x_scale = quant.quantize_activations_fp8(torch.randn((3, 4096), generator=g, device="cuda"))
+    ref = (x.double() @ w.double().t()) * x_scale.double() * w_scale.double()[None, :]
+    tile = Fp8DecodeTile(64, 256, 4, 4, split=4)
+    fp8_decode.fp8_decode_matmul(x, x_scale, w, w_scale, torch.float32, tile=tile)       # workspace made before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fp8_decode.fp8_decode_matmul(x, x_scale, w, w_scale, torch.float32, tile=tile) for _ in range(3)]
+    for _ in range(3):
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(rel_err(out, ref) < 5e-3 for out in outs)

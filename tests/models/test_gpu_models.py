@@ -151,26 +151,44 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
         _same_greedy_tokens_up_to_ties(cpu.outputs[0], gpu.outputs[0])
 
 
+def _top_logprob_gap(a, b, step: int) -> float:
+    """Largest difference between two runs' log-probabilities of the tokens both list among their best at `step`."""
+    top_a, top_b = a.logprobs[step].top, b.logprobs[step].top
+    return max(abs(top_a[t] - top_b[t]) for t in set(top_a) & set(top_b))
+
+
 @pytest.mark.gpu
-def test_fp8_decode_products_give_the_scaled_mm_tokens(monkeypatch):
-    """A SmolLM2-shaped FP8 (per channel, per token) model in bf16 on the GPU, decode products (CUDA graphs) on
-    torch._scaled_mm, on fp8_decode and on fp8_decode with K split in three (counters reset between products):
-    the same e4m3 products summed in another order, so the same greedy tokens up to near-ties."""
+def test_fp8_decode_products_agree_with_scaled_mm_as_closely_as_its_own_accumulation_modes(monkeypatch):
+    """A SmolLM2-shaped FP8 (per channel, per token) model in bf16 on the GPU; prompts of 40 and 100 tokens (their
+    products on torch._scaled_mm), then one decode step (CUDA graph) whose products run on torch._scaled_mm, on
+    fp8_decode, or on fp8_decode with K split in three (counters reset between products). The random model's logits
+    are near-uniform and per-token e4m3 rounding of the activations amplifies last-bit differences through the
+    layers (greedy tokens of two correct paths part within a few steps), so the yardstick is how far one forward
+    pass on torch._scaled_mm with fast accumulation off parts from it on: the decode step on fp8_decode may part
+    from _scaled_mm's by no more than three times that (or 0.02)."""
+    from kiln.config import PluginConfig
     from kiln.kernels.triton import tuning
 
     model = random_smollm2("bfloat16", 5, "FP8_PER_CHANNEL_PER_TOKEN")
-    build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256)
-    prompts = [list(range(3, 3 + n)) for n in (1, 40, 100)]
-    outputs = {}
-    for variant, rows, tile in (("cublas", 0, tuning.Fp8DecodeTile()), ("swapped", 16, tuning.Fp8DecodeTile()),
-                                ("split", 16, tuning.Fp8DecodeTile(split=3))):
+    prompts = [list(range(3, 3 + n)) for n in (40, 100)]
+    runs = {}
+    for variant, rows, tile, fast in (("cublas", 0, tuning.Fp8DecodeTile(), True),
+                                      ("cublas_precise", 0, tuning.Fp8DecodeTile(), False),
+                                      ("swapped", 16, tuning.Fp8DecodeTile(), True),
+                                      ("split", 16, tuning.Fp8DecodeTile(split=3), True)):
         monkeypatch.setattr(tuning, "FP8_DECODE_ROWS", rows)
         monkeypatch.setattr(tuning, "FP8_DECODE_CONFIG", tile)
+        build = BuildConfig(max_batch_size=4, max_input_len=128, max_seq_len=256,
+                            plugin_config=PluginConfig(fp8_fast_accumulation=fast))
         with LLM(model, build_config=build, device="cuda", quiet=True) as llm:
-            outputs[variant] = llm.generate(prompts, SamplingConfig(max_new_tokens=16, end_id=-1, logprobs=2))
+            runs[variant] = [out.outputs[0] for out in
+                             llm.generate(prompts, SamplingConfig(max_new_tokens=2, end_id=-1, logprobs=8))]
+    yardstick = max(_top_logprob_gap(a, b, 0) for a, b in zip(runs["cublas"], runs["cublas_precise"]))
+    for variant in ("swapped", "split"):                 # the same prompt products: the same first tokens
+        assert [o.token_ids[0] for o in runs[variant]] == [o.token_ids[0] for o in runs["cublas"]], variant
     for variant in ("swapped", "split"):
-        for plain, swapped in zip(outputs["cublas"], outputs[variant]):
-            _same_greedy_tokens_up_to_ties(plain.outputs[0], swapped.outputs[0], tie=5e-2)
+        gap = max(_top_logprob_gap(a, b, 1) for a, b in zip(runs["cublas"], runs[variant]))
+        assert gap <= max(3 * yardstick, 0.02), (variant, gap, yardstick)
 
 
 @pytest.mark.parametrize("kv", gpu_cases(["FP8", "INT8"], default=["FP8"]))

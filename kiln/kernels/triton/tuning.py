@@ -87,11 +87,17 @@ class Fp8DecodeTile:
     split: int = 1
 
 
-# Products of up to FP8_DECODE_ROWS rows run on fp8_decode instead of torch._scaled_mm (0: never; off until measured).
-# (N, K) → its tile, None: that shape stays on cuBLAS; other shapes FP8_DECODE_CONFIG.
-FP8_DECODE_ROWS = 0
-FP8_DECODE_CONFIGS: dict[tuple[int, int], Fp8DecodeTile | None] = {}
-FP8_DECODE_CONFIG = Fp8DecodeTile()
+# Products of up to FP8_DECODE_ROWS rows run on fp8_decode instead of torch._scaled_mm (0: never). (N, K) → its
+# tile (None: that shape stays on cuBLAS); other shapes FP8_DECODE_CONFIG. One row on an H100, µs
+# (benchmarks/gpu_suite.py --phases fp8_decode), _scaled_mm → fp8_decode: 8B qkv 13.7 → 10.4, o 13.5 → 7.6,
+# gate_up 59.6 → 40.3, down 40.3 → 21.7, FP8 LM head 217.3 → 167.1; 70B qkv 32.3 → 30.9, o 27.1 → 23.9, gate_up
+# 171.3 → 149.7, down 106.3 → 76.4 (3.1 TB/s). Splitting K was never faster, even for the 64-block o and down.
+# Llama-3.1-8B FP8 batch 1: 192.8 → 284.2 tok/s. Products of 2-16 rows read the same weight tiles (x padded to 16).
+FP8_DECODE_ROWS = 16
+FP8_DECODE_CONFIG = Fp8DecodeTile(64, 256, 4, 6)
+FP8_DECODE_CONFIGS: dict[tuple[int, int], Fp8DecodeTile | None] = {
+    (6144, 4096): Fp8DecodeTile(64, 128, 4, 8), (28672, 4096): Fp8DecodeTile(128, 256, 4, 4),
+    (128256, 4096): Fp8DecodeTile(64, 256, 4, 4)}
 
 # --- int4 on the tensor cores (int4_mma) -------------------------------------------------------------------------
 # (N, K) → whether int4_mma's one-row product beats the CUDA-core GEMV in the model (benchmarks/gpu_suite.py
