@@ -152,9 +152,10 @@ def test_quantized_model_matches_the_cpu_path(algo, fused, monkeypatch):
 
 
 def _top_logprob_gap(a, b, step: int) -> float:
-    """Largest difference between two runs' log-probabilities of the tokens both list among their best at `step`."""
+    """Largest difference between two runs' log-probabilities of the tokens both list among their best at `step`
+    (infinite where they share none)."""
     top_a, top_b = a.logprobs[step].top, b.logprobs[step].top
-    return max(abs(top_a[t] - top_b[t]) for t in set(top_a) & set(top_b))
+    return max((abs(top_a[t] - top_b[t]) for t in set(top_a) & set(top_b)), default=float("inf"))
 
 
 @pytest.mark.gpu
