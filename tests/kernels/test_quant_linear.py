@@ -358,6 +358,7 @@ def test_fp8_decode_takes_products_of_few_rows_and_steppable_columns(monkeypatch
     w = torch.empty((64, 4096), dtype=torch.float8_e4m3fn)
     assert fp8_decode.takes(torch.empty((16, 4096)), w)
     assert not fp8_decode.takes(torch.empty((17, 4096)), w)
+    assert not fp8_decode.takes(torch.empty((1, 64)), torch.empty((64, 4096), dtype=torch.float8_e4m3fn)[:, :64])
     assert fp8_decode.config(64, 96).block_k == 32
     assert not fp8_decode.takes(torch.empty((1, 80)), torch.empty((64, 80), dtype=torch.float8_e4m3fn))
     monkeypatch.setattr(tuning, "FP8_DECODE_CONFIG", tuning.Fp8DecodeTile(block_k=256, split=4))

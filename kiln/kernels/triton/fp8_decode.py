@@ -89,9 +89,10 @@ def config(n: int, k: int) -> Fp8DecodeTile | None:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether fp8_decode_matmul computes this product: at most tuning.FP8_DECODE_ROWS rows and a K it steps
-    evenly."""
-    return x.shape[0] <= min(MAX_ROWS, tuning.FP8_DECODE_ROWS) and config(weight.shape[0], weight.shape[1]) is not None
+    """Whether fp8_decode_matmul computes this product: at most tuning.FP8_DECODE_ROWS rows, a row-major weight and a
+    K it steps evenly."""
+    return (x.shape[0] <= min(MAX_ROWS, tuning.FP8_DECODE_ROWS) and weight.is_contiguous()
+            and config(weight.shape[0], weight.shape[1]) is not None)
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
