@@ -369,6 +369,16 @@ def test_fp8_decode_takes_products_of_few_rows_and_steppable_columns(monkeypatch
     assert not fp8_decode.takes(torch.empty((1, 96)), torch.empty((64, 96), dtype=torch.float8_e4m3fn))
 
 
+@pytest.mark.parametrize("shared, stages", [(227 << 10, 6), (99 << 10, 4), (30 << 10, 1)])
+def test_fp8_decode_stages_fit_the_gpus_shared_memory(monkeypatch, shared, stages):
+    """An H100/H200 keeps the tuned stages; a GeForce card's ~100 KB holds four of 20 KB; a tiny one still gets one."""
+    from kiln.kernels.triton import fp8_decode
+    from kiln.kernels.triton.tuning import Fp8DecodeTile
+
+    monkeypatch.setattr(fp8_decode, "shared_memory", lambda device: shared)
+    assert fp8_decode.fitted(Fp8DecodeTile(64, 256, 4, 6), torch.device("cuda")).num_stages == stages
+
+
 @pytest.mark.gpu
 def test_fp8_decode_split_products_replay_in_a_cuda_graph():
     """Split products captured in a CUDA graph, three of them back to back, replayed three times: every replay gives

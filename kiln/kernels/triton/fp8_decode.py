@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .launch import launch_args, wait_for_inputs
+from .launch import launch_args, shared_memory, wait_for_inputs
 from .tuning import Fp8DecodeTile
 
 MAX_ROWS = 16
@@ -88,6 +88,15 @@ def config(n: int, k: int) -> Fp8DecodeTile | None:
         if block_k >= MIN_BLOCK_K else None
 
 
+def fitted(tile: Fp8DecodeTile, device: torch.device) -> Fp8DecodeTile:
+    """The tile with no more operand stages (weight and x tiles, one byte a value) than `device`'s shared memory holds
+    beside 4 KB for the rest: the tuned 6 stages of 64 × 256 take 120 KB, which Hopper has and GeForce cards (~100
+    KB) do not."""
+    stage = (tile.block_n + MAX_ROWS) * tile.block_k
+    stages = max(1, min(tile.num_stages, (shared_memory(device) - (4 << 10)) // stage))
+    return Fp8DecodeTile(tile.block_n, tile.block_k, tile.num_warps, stages, tile.split)
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp8_decode_matmul computes this product: at most tuning.FP8_DECODE_ROWS rows, a row-major weight and a
     K it steps evenly."""
@@ -119,7 +128,7 @@ def fp8_decode_matmul(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     default."""
     m, k = qx.shape
     n = weight.shape[0]
-    tile = tile or config(n, k)
+    tile = fitted(tile or config(n, k), qx.device)
     blocks = triton.cdiv(n, tile.block_n)
     out = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     parts, counts = _workspace(qx.device, tile.split * MAX_ROWS * n, blocks) if tile.split > 1 else (out, out)
