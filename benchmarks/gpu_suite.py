@@ -419,32 +419,11 @@ FP8_DECODE_SWEEP = [(64, 256, 4, 4, 1), (64, 256, 4, 6, 1), (128, 256, 4, 4, 1),
                     (64, 256, 4, 4, 2), (64, 256, 4, 4, 4)]    # Fp8DecodeTile fields
 
 
-def _graph_microseconds(fn, reps: int = 20) -> float:
-    """Best of five replays of a CUDA graph of `reps` calls, µs a call (no launch gaps, as in a decode step)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
-
-
 @phase
 def fp8_decode(args):
     """FP8 products of few rows: torch._scaled_mm beside fp8_decode (the engine's tile, then FP8_DECODE_SWEEP's),
-    each call reading another copy of the weight (over 100 MB between reuses of one: no help from the 50 MB L2)."""
+    in CUDA graphs whose calls each read another copy of the weight (bench.graph_seconds: over 100 MB between reuses
+    of one, no help from the 50 MB L2)."""
     from kiln.kernels.triton import fp8_decode as kernel
     from kiln.kernels.triton.tuning import Fp8DecodeTile
 
@@ -452,22 +431,19 @@ def fp8_decode(args):
         copies = [torch.randn(n, k, device="cuda").div(8).to(torch.float8_e4m3fn)
                   for _ in range(max(2, min(8, -(-(256 << 20) // (n * k)))))]
         scale = torch.rand(n, device="cuda") + 0.5
-        turn = iter(range(1 << 62))
-        weight = lambda: copies[next(turn) % len(copies)]             # noqa: E731 - the next copy each call
         for rows in (1, 8):
             x = torch.randn(rows, k, device="cuda").to(torch.float8_e4m3fn)
             x_scale = torch.rand(rows, 1, device="cuda") + 0.5
-            variants = {"scaled_mm": lambda: torch._scaled_mm(x, weight().t(), scale_a=x_scale, scale_b=scale[None, :],
-                                                               out_dtype=torch.bfloat16, use_fast_accum=True),
-                        "engine": lambda: kernel.fp8_decode_matmul(x, x_scale, weight(), scale, torch.bfloat16)}
+            variants = {"scaled_mm": lambda w: torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scale[None, :],
+                                                                out_dtype=torch.bfloat16, use_fast_accum=True),
+                        "engine": lambda w: kernel.fp8_decode_matmul(x, x_scale, w, scale, torch.bfloat16)}
             for fields in FP8_DECODE_SWEEP if rows == 1 else []:
                 tile = Fp8DecodeTile(*fields)
                 if k % (tile.block_k * tile.split) == 0:
                     variants["tile_" + "_".join(map(str, fields))] = (
-                        lambda tile=tile: kernel.fp8_decode_matmul(x, x_scale, weight(), scale, torch.bfloat16,
-                                                                   tile=tile))
-            for variant, fn in variants.items():
-                micros = _graph_microseconds(fn)
+                        lambda w, tile=tile: kernel.fp8_decode_matmul(x, x_scale, w, scale, torch.bfloat16, tile=tile))
+            for variant, product in variants.items():
+                micros = bench.graph_seconds([lambda w=w: product(w) for w in copies]) * 1e6
                 log(f"fp8_decode_{name}_m{rows}_{variant}_us", f"{micros:.1f} ({n * k / micros / 1e6:.2f} TB/s)")
         copies.clear()
         torch.cuda.empty_cache()

@@ -14,6 +14,8 @@ all and the workspace needs no clearing between calls.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -84,8 +86,7 @@ def config(n: int, k: int) -> Fp8DecodeTile | None:
     block_k = tile.block_k
     while k % (block_k * tile.split):
         block_k //= 2
-    return Fp8DecodeTile(tile.block_n, block_k, tile.num_warps, tile.num_stages, tile.split) \
-        if block_k >= MIN_BLOCK_K else None
+    return replace(tile, block_k=block_k) if block_k >= MIN_BLOCK_K else None
 
 
 def fitted(tile: Fp8DecodeTile, device: torch.device) -> Fp8DecodeTile:
@@ -94,7 +95,7 @@ def fitted(tile: Fp8DecodeTile, device: torch.device) -> Fp8DecodeTile:
     KB) do not."""
     stage = (tile.block_n + MAX_ROWS) * tile.block_k
     stages = max(1, min(tile.num_stages, (shared_memory(device) - (4 << 10)) // stage))
-    return Fp8DecodeTile(tile.block_n, tile.block_k, tile.num_warps, stages, tile.split)
+    return replace(tile, num_stages=stages)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
