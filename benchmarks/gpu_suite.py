@@ -523,7 +523,8 @@ def context_attention(args):
         scale = dim ** -0.5
         rate = lambda seconds: round(flops / seconds / 1e12, 1)  # noqa: E731
         with torch.inference_mode():
-            for name, (tile, launch, rows, split) in CONTEXT_VARIANTS.items():
+            for name in args.context_variants.split(","):
+                tile, launch, rows, split = CONTEXT_VARIANTS[name]
                 for kv, kv_cache, kv_scale in (("bf16", cache, None),
                                                ("fp8", cache.to(torch.float8_e4m3fn),
                                                 torch.ones(2, device="cuda"))):
@@ -595,6 +596,8 @@ def main():
                    help="semicolon-separated NAME=VALUE settings of kiln/kernels/triton/tuning.py for this run "
                         "(VALUE a Python literal), e.g. 'MOE_GROUPED_MM_ROWS={}' (never) or "
                         "'ATTENTION_TILE=128;ATTENTION_LAUNCH=(8, 3)'")
+    p.add_argument("--context_variants", default=",".join(CONTEXT_VARIANTS),
+                   help=f"the context_attention phase's kernel variants, of {', '.join(CONTEXT_VARIANTS)}")
     p.add_argument("--test_paths", default="tests", help="comma-separated pytest paths of the checks phase")
     p.add_argument("--test_timeout", type=int, default=900, help="seconds the checks phase may take")
     args = p.parse_args()

@@ -14,6 +14,7 @@ from .launch import launch_args, shared_memory, wait_for_inputs
 from .rope_cache import kv_quant
 
 ONE_PARTITION = 1 << 30     # PART_TOKENS of an unsplit sequence: more keys than any sequence has
+LOG2E = tl.constexpr(1.4426950408889634)     # prompt scores are kept in base-2 units: exp2 is the hardware's exp
 
 
 # Four cached int8 or e4m3 values of one int32 word → four fp16 values ($0..$3, in column order). int8: each byte,
@@ -74,15 +75,30 @@ def _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, 
 
 
 @triton.jit
-def online_softmax(s, v, m, l, acc, PRECISION: tl.constexpr):
-    """The running max m, sum l and output acc of each row advanced over one tile's masked scores s and values v."""
+def online_softmax(s, v, m, l, acc, PRECISION: tl.constexpr, BASE2: tl.constexpr = False):
+    """The running max m, sum l and output acc of each row advanced over one tile's masked scores s (-inf where
+    masked; natural units, or base-2 exponent units with BASE2) and values v."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
+    if BASE2:
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+    else:
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m_new, l, tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+
+
+@triton.jit
+def online_softmax_whole(s, v, m, l, acc, qk_scale, PRECISION: tl.constexpr):
+    """online_softmax in base-2 units over a tile no row masks, its scores s not yet scaled: the running max stays
+    finite, so no -inf guard, and scaling and shifting are one multiply-add an element."""
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l, tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
 
 
 @triton.jit
@@ -138,6 +154,7 @@ def _paged_attention_kernel(
     if window > 0:
         lowest = tl.maximum(seq_len - q_len + qblock * BLOCK_Q - window + 1, 0)
         first = tl.maximum(first, (lowest // TILE) * TILE)
+    # m and the scores in base-2 exponent units; split-K partials store m in natural units for _merge_kernel
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
@@ -147,6 +164,7 @@ def _paged_attention_kernel(
         scale = scale * tl.load(kv_scale_ptr)
         if q.dtype != tl.float32:
             q = q.to(tl.float16)
+    qk_scale = scale * LOG2E
     t = tl.arange(0, TILE)
     w = tl.arange(0, DIM // 4)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
@@ -159,18 +177,18 @@ def _paged_attention_kernel(
         for start in range(first, masked_from, TILE):
             k, v = _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS,
                                BLOCK_TOKENS, DIM, TILE, KV_QUANT, WORDS)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            m, l, acc = online_softmax(s, v, m, l, acc, PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            m, l, acc = online_softmax_whole(s, v, m, l, acc, qk_scale, PRECISION)
     for start in range(masked_from, stop, TILE):
         kv_pos = start + t
         in_range = kv_pos < stop
         k, v = _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS, BLOCK_TOKENS,
                            DIM, TILE, KV_QUANT, WORDS)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
             ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
-        m, l, acc = online_softmax(tl.where(ok, s, float("-inf")), v, m, l, acc, PRECISION)
+        m, l, acc = online_softmax(tl.where(ok, s, float("-inf")), v, m, l, acc, PRECISION, True)
     if KV_QUANT > 0:
         acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_PARTS == 1:
@@ -178,7 +196,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + q_rows[:, None] * DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         idx = q_rows * NUM_PARTS + part
-        tl.store(part_m_ptr + idx, m, mask=row_ok)
+        tl.store(part_m_ptr + idx, m / LOG2E, mask=row_ok)
         tl.store(part_l_ptr + idx, l, mask=row_ok)
         tl.store(part_acc_ptr + idx[:, None] * DIM + d[None, :], acc, mask=row_ok[:, None])
 
