@@ -30,7 +30,7 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
               probability 1 - alpha), k = 4, bf16: batch-1 tok/s at alpha 0.5..1.0 against decoding without drafts,
               and batch 64 (128/128) with drafts at alpha 0.8 and without
---profile writes torch profiler tables to $OUT: the latency phase's decode steps, and after each throughput run
+--profile writes torch profiler tables to $OUT: the latency and quant phases' decode steps, and after each throughput run
 a batch of --max_batch prompts generating 8 tokens.
 """
 from __future__ import annotations
@@ -402,6 +402,9 @@ def quant(args):
         with _ready_llm(args, f"quant_{mode}", "latency", 128, 128, 1, mode_quant(mode)) as llm:
             result = _decode(llm, args.model, 3, 128, mode)
             bench.decode_limit_pct(result, llm.engine, args.hw)
+            if args.profile:
+                _profile_steps(llm, f"quant_{mode}", bench.random_prompts(
+                    1, 128, llm.engine.pretrained_config.vocab_size, seed=5), 16)
         log(f"quant_{mode}_bs1_decode_tok_s", round(1e3 / result.tpot_ms["p50"], 1))
         log(f"quant_{mode}_pct_of_limit", f"{result.hardware_limit_pct or 0:.1f}% of {result.limit_note}")
         gc.collect()
