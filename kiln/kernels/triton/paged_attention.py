@@ -131,7 +131,9 @@ def _paged_attention_kernel(
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    qblock_part = tl.program_id(2)
+    # Causal rows: later query blocks see more keys. The GPU starts programs in grid order, so the last blocks go
+    # first and the short ones fill in behind them instead of leaving a tail of long ones.
+    qblock_part = tl.num_programs(2) - 1 - tl.program_id(2)
     qblock = qblock_part // NUM_PARTS
     part = qblock_part % NUM_PARTS
     heads = KV_HEADS * GROUP
