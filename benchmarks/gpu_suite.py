@@ -26,7 +26,7 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   fp8_decode  FP8 products of 1 and 8 rows (the 8B and 70B projections, the 8B LM head): torch._scaled_mm beside
               fp8_decode on the engine's tile and on the alternatives of FP8_DECODE_SWEEP, µs and TB/s of weights
   sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
-              tokens, bf16
+              tokens, bf16, timed back to back and in CUDA graphs; cuSPARSELt's algorithm × split-K swept
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
               probability 1 - alpha), k = 4, bf16: batch-1 tok/s at alpha 0.5..1.0 against decoding without drafts,
               and batch 64 (128/128) with drafts at alpha 0.8 and without
@@ -455,40 +455,66 @@ def fp8_decode(args):
 @phase
 def sparsity(args):
     """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through torch's
-    semi-structured F.linear (what the runtime calls) and cuSPARSELt called directly (its default algorithm, and
-    the one its search picks for the shape)."""
+    semi-structured F.linear (what the runtime calls) and cuSPARSELt called directly (its default algorithm, the
+    one its search picks, and the fastest of a sweep over algorithm × split-K). Each is timed twice: calls back to
+    back (what an uncaptured prompt step pays, host work included: torch builds a cuSPARSELt plan every call) and
+    replayed in a CUDA graph (the GPU's time alone)."""
     from kiln.kernels.sparse import prune_2_4, sparse_weight
 
     tokens = 2048
-    log("sparsity_cusparselt", bool(torch.backends.cusparselt.is_available()))
+    cslt = bool(torch.backends.cusparselt.is_available())
+    log("sparsity_cusparselt", cslt)
     for name, out, inp in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
         weight = prune_2_4(torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02)
         x = torch.randn(tokens, inp, device="cuda", dtype=torch.bfloat16)
         flops = 2 * tokens * out * inp
         with torch.inference_mode():
-            dense = bench._cuda_time(lambda: torch.nn.functional.linear(x, weight), 50)
-            log(f"sparsity_{name}_dense_TFLOPs", round(flops / dense / 1e12, 1))
+            dense = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
+            dense_s, dense_graph_s = bench._cuda_time(dense, 50), bench.graph_seconds([dense] * 8)
+            log(f"sparsity_{name}_dense_TFLOPs",
+                f"{flops / dense_s / 1e12:.1f} (graph {flops / dense_graph_s / 1e12:.1f})")
             variants = {"runtime": lambda: (lambda w: lambda: torch.nn.functional.linear(x, w))(
                 sparse_weight(weight, name))}
-            if torch.backends.cusparselt.is_available():
-                variants["cslt_alg0"] = lambda: _cslt(weight, x, search=False)
-                variants["cslt_searched"] = lambda: _cslt(weight, x, search=True)
+            if cslt:
+                compressed = torch._cslt_compress(weight)
+                variants["cslt_alg0"] = lambda: _cslt(compressed, x, 0, 1)
+                variants["cslt_searched"] = lambda: _cslt(compressed, x, _cslt_search(compressed, x, name), 1)
+                variants["cslt_swept"] = lambda: _cslt(compressed, x, *_cslt_sweep(compressed, x, name))
             for variant, make in variants.items():
                 try:
-                    seconds = bench._cuda_time(make(), 50)
-                    log(f"sparsity_{name}_{variant}_speedup", round(dense / seconds, 2))
+                    product = make()
+                    seconds, graph_s = bench._cuda_time(product, 50), bench.graph_seconds([product] * 8)
+                    log(f"sparsity_{name}_{variant}_speedup",
+                        f"{dense_s / seconds:.2f} (graph {dense_graph_s / graph_s:.2f})")
                 except Exception as err:  # noqa: BLE001 - one variant failing must not hide the others
                     log(f"sparsity_{name}_{variant}_error", repr(err)[:300])
         del weight, x
 
 
-def _cslt(weight, x, search: bool):
-    """x W^T as one cuSPARSELt product of the compressed weight (transposed result fused), with its algorithm
-    searched for this shape or the default."""
-    compressed = torch._cslt_compress(weight)
-    alg = torch._cslt_sparse_mm_search(compressed, x.t(), transpose_result=True) if search else 0
-    log(f"sparsity_cslt_alg_{tuple(weight.shape)}_{search}", alg)
-    return lambda: torch._cslt_sparse_mm(compressed, x.t(), transpose_result=True, alg_id=alg)
+def _cslt(compressed, x, alg: int, split_k: int):
+    """x W^T as one cuSPARSELt product of the compressed weight (transposed result fused)."""
+    return lambda: torch._cslt_sparse_mm(compressed, x.t(), transpose_result=True, alg_id=alg, split_k=split_k)
+
+
+def _cslt_search(compressed, x, name: str) -> int:
+    alg = torch._cslt_sparse_mm_search(compressed, x.t(), transpose_result=True)
+    log(f"sparsity_{name}_cslt_searched_alg", alg)
+    return alg
+
+
+def _cslt_sweep(compressed, x, name: str) -> tuple[int, int]:
+    """(algorithm, split-K) of the fastest cuSPARSELt product of this shape in CUDA-graph time."""
+    best = None
+    for alg in range(torch.backends.cusparselt.get_max_alg_id() + 1):
+        for split_k in (1, 2, 4):
+            try:
+                seconds = bench.graph_seconds([_cslt(compressed, x, alg, split_k)] * 8)
+            except RuntimeError:
+                continue
+            if best is None or seconds < best[0]:
+                best = (seconds, alg, split_k)
+    log(f"sparsity_{name}_cslt_swept_alg_split_k", best[1:])
+    return best[1:]
 
 
 CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
