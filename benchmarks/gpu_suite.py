@@ -360,26 +360,43 @@ llm.shutdown()
 """
 
 
-@phase
-def load(args):
+BUILD_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gpu_suite
+print(json.dumps(gpu_suite.save_random_engine(*sys.argv[2:])))
+"""
+
+
+def save_random_engine(model: str, mode: str, path: str) -> dict:
+    """A random engine of `model` in `mode` with its kernels compiled into it, saved to `path`: seconds of each."""
     from kiln.runtime.precompile import compile_kernels
 
-    workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-", dir=args.work_dir)   # 16-70 GB: not under $OUT
-    path = os.path.join(workdir.name, "engine")
     start = time.time()
-    engine = bench.random_engine(args.model, "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
-                                                                     max_seq_len=4096),
-                                 quant_config=mode_quant(args.load_mode))
+    engine = bench.random_engine(model, "bfloat16", BuildConfig(max_batch_size=256, max_input_len=2048,
+                                                                max_seq_len=4096), quant_config=mode_quant(mode))
     built = time.time()
     count = compile_kernels(engine)
     compiled = time.time()
     engine.save(path)
-    log("load_build_random_s", round(built - start, 1))
-    log("load_compile_kernels_s", round(compiled - built, 1))
-    log("load_kernels_in_engine", count)
-    log("load_save_s", round(time.time() - compiled, 1))
-    del engine
+    return {"build_random_s": round(built - start, 1), "compile_kernels_s": round(compiled - built, 1),
+            "kernels_in_engine": count, "save_s": round(time.time() - compiled, 1)}
+
+
+@phase
+def load(args):
+    """An engine built, compiled and saved by one process, then loaded to its first token by a fresh one with its
+    files dropped from the page cache and by another with them cached; this process holds no GPU memory meanwhile
+    (a 72 GB 70B FP8 engine would not fit twice)."""
+    workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-", dir=args.work_dir)   # 16-70 GB: not under $OUT
+    path = os.path.join(workdir.name, "engine")
     torch.cuda.empty_cache()
+    proc = subprocess.run([sys.executable, "-c", BUILD_CHILD, os.path.dirname(os.path.abspath(__file__)), args.model,
+                           args.load_mode, path], capture_output=True, text=True, timeout=400)
+    if proc.returncode:
+        raise RuntimeError(f"building the engine failed: {proc.stderr[-1500:]}")
+    for key, value in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        log(f"load_{key}", value)
     for attempt in ("cold", "warm"):
         proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, path, attempt], capture_output=True, text=True,
                               timeout=300)
