@@ -21,8 +21,9 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
   lora        8 random adapters of rank 16 on all seven projections, on an engine with lora_plugin (bf16): batch-1
               decode with one adapter and without, 128/128 throughput over --requests requests spread evenly over
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
-  context_attention  causal prompt attention TFLOP/s at 1k..32k tokens, GQA 8:1, bf16 and FP8 caches: Kiln's
-              kernel (a few tile choices) beside torch's SDPA flash backend and varlen flash attention
+  context_attention  causal prompt attention TFLOP/s at 1k..32k tokens, GQA 8:1, bf16 and FP8 caches (fp8q: FP8
+              queries too, use_fp8_context_fmha): Kiln's kernel (a few tile choices) beside torch's SDPA flash
+              backend and varlen flash attention
   fp8_decode  FP8 products of 1 and 8 rows (the 8B and 70B projections, the 8B LM head): torch._scaled_mm beside
               fp8_decode on the engine's tile and on the alternatives of FP8_DECODE_SWEEP, µs and TB/s of weights
   sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
@@ -547,8 +548,9 @@ CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stage
 @phase
 def context_attention(args):
     """Causal prompt attention TFLOP/s, one sequence of 1k..32k tokens, 32 query heads over 4 KV heads (GQA 8:1) of
-    128: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches) beside torch's SDPA flash backend
-    on contiguous q/k/v, and torch's varlen flash attention over the same paged cache where this torch has it."""
+    128: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches, and FP8 queries over the FP8
+    cache) beside torch's SDPA flash backend on contiguous q/k/v, and torch's varlen flash attention over the same
+    paged cache where this torch has it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kiln.kernels.triton.paged_attention import paged_attention
@@ -571,13 +573,14 @@ def context_attention(args):
         with torch.inference_mode():
             for name in args.context_variants.split(","):
                 tile, launch, rows, split = CONTEXT_VARIANTS[name]
-                for kv, kv_cache, kv_scale in (("bf16", cache, None),
-                                               ("fp8", cache.to(torch.float8_e4m3fn),
-                                                torch.ones(2, device="cuda"))):
+                fp8_cache, ones = cache.to(torch.float8_e4m3fn), torch.ones(2, device="cuda")
+                for kv, kv_cache, kv_scale, fp8_queries in (("bf16", cache, None, False),
+                                                            ("fp8", fp8_cache, ones, False),
+                                                            ("fp8q", fp8_cache, ones, True)):
                     try:
                         seconds = bench._cuda_time(lambda: paged_attention(
                             q, kv_cache, tables, lens, starts, n, scale, None, tile=tile, warps_stages=launch,
-                            kv_scale=kv_scale, block_rows=rows, causal_split=split), 5)
+                            kv_scale=kv_scale, block_rows=rows, causal_split=split, fp8_queries=fp8_queries), 5)
                         log(f"context_{n}_{name}_{kv}_TFLOPs", rate(seconds))
                     except Exception as err:  # noqa: BLE001 - a variant that does not compile must not hide the rest
                         log(f"context_{n}_{name}_{kv}_error", repr(err)[:300])

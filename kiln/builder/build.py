@@ -57,6 +57,10 @@ def _validate(model: PretrainedModel, build_config: BuildConfig, log: StepLog) -
     if plugins.lora_plugin not in (None, "auto", config.dtype):
         raise ValueError(f"PluginConfig.lora_plugin={plugins.lora_plugin!r} differs from the model dtype "
                          f"{config.dtype!r}: Kiln computes LoRA products in the model's dtype; use auto")
+    if plugins.use_fp8_context_fmha and config.quantization.kv_cache_quant_algo != "FP8":
+        raise ValueError("PluginConfig.use_fp8_context_fmha multiplies queries by the keys of an FP8 KV cache: it "
+                         "needs kv_cache_quant_algo FP8 (kiln convert --fp8_kv_cache), this model's is "
+                         f"{config.quantization.kv_cache_quant_algo}")
     if plugins.use_custom_all_reduce and config.mapping.tp_size == 1:
         raise ValueError("PluginConfig.use_custom_all_reduce needs tensor parallelism (tp_size > 1)")
     if build_config.input_timing_cache or build_config.output_timing_cache:

@@ -46,7 +46,10 @@ class PluginConfig:
     use_async_malloc: bool = False
     """Stream-ordered memory allocation."""
     use_fp8_context_fmha: bool = False
-    """Context attention in FP8."""
+    """Prompt (context) attention on the FP8 tensor cores: in steps with prompt tokens each query row is rounded to
+    e4m3 with its own scale and multiplied by the FP8 cache's keys as stored; P·V stays 16-bit. Needs an FP8 KV
+    cache (kv_cache_quant_algo FP8) and a GPU with FP8 tensor cores (compute capability 8.9+); the CPU computes
+    the same rounding."""
     fp8_fast_accumulation: bool = True
     """FP8 GEMMs (FP8 quantization, on GPUs) accumulate at the tensor cores' full rate without periodic promotion to
     float32 (as FBGEMM's FP8 inference GEMMs do), a sixth more FP8 throughput; off for
@@ -77,7 +80,8 @@ class PluginConfig:
         reject_unsupported(self, ["remove_input_padding", "paged_kv_cache"], "Kiln always uses packed, paged inputs")
         reject_unsupported(self, ["use_paged_context_fmha"],
                            "Kiln's context attention always reads earlier tokens from the paged cache")
-        reject_unsupported(self, ["use_fp8_context_fmha", "use_fp8_cast_plugin"], "FP8 is not implemented yet")
+        reject_unsupported(self, ["use_fp8_cast_plugin"],
+                           "Kiln's FP8 casts are fused into the kernels that make the values (norms, SiLU)")
         reject_unsupported(self, ["use_fp8_all_reduce"], "Kiln all-reduces in the model's dtype")
         reject_unsupported(self, ["use_async_malloc"], "Kiln uses PyTorch's caching allocator")
         if self.lora_plugin is not None:

@@ -25,6 +25,7 @@ class TritonOps(ReferenceOps):
     name = "triton"
 
     def __init__(self, options: TritonOptions = TritonOptions()):
+        super().__init__(options.fp8_context_fmha)
         from .triton import (argmax, decode_attention, fused_moe, launch, lora, norms, paged_attention, quant_linear,
                              rope_cache)
 
@@ -47,11 +48,13 @@ class TritonOps(ReferenceOps):
                                          head_dim, kv_scale, self.launch)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
+        fp8_queries = self.options.fp8_context_fmha and meta.max_query_len > 1
         if meta.max_query_len > 1 and not self.options.context_fmha:
-            return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+            return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale, fp8_queries)
         return self._attention.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                                meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
-                                               part_tokens=meta.part_tokens, kv_scale=kv_scale, launch=self.launch)
+                                               part_tokens=meta.part_tokens, kv_scale=kv_scale, launch=self.launch,
+                                               fp8_queries=fp8_queries)
 
     def rope_cache_attention(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, scale,
                              sliding_window, kv_scale=None):
@@ -107,16 +110,16 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
         raise ValueError(f"cpu_kernels={cpu_kernels!r}: expected one of {CPU_KERNELS}")
     if torch.device(device).type == "cpu":
         if cpu_kernels == "reference":
-            return ReferenceOps()
+            return ReferenceOps(options.fp8_context_fmha)
         from .cpu import CpuOps
-        return CpuOps()
+        return CpuOps(fp8_context_fmha=options.fp8_context_fmha)
     if torch.device(device).type != "cuda":
-        return ReferenceOps()
+        return ReferenceOps(options.fp8_context_fmha)
     try:
         return TritonOps(options)
     except ImportError as err:
         print(f"kiln: Triton is not available ({err}); using the reference kernels on the GPU", file=sys.stderr)
-        return ReferenceOps()
+        return ReferenceOps(options.fp8_context_fmha)
 
 
 __all__ = ["AttentionMetadata", "DeferredNorm", "LoraBatch", "LoraImage", "LoraSlab", "LoraStack",

@@ -168,7 +168,8 @@ class CpuOps(ReferenceOps):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels = CpuKernels()):
+    def __init__(self, kernels: CpuKernels = CpuKernels(), fp8_context_fmha: bool = False):
+        super().__init__(fp8_context_fmha)
         self.kernels = kernels
 
     @staticmethod
@@ -184,11 +185,11 @@ class CpuOps(ReferenceOps):
         reference.write_kv(rotated[:, heads:], v, kv_cache, meta.slot_mapping, kv_scale)
         return rotated[:, :heads]
 
-    @staticmethod
-    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                  kv_scale=None):
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return decode_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
-        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+        return super().attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
 
     def pack_quant(self, algo: str, params: dict, gated: bool = False):
         if algo == "W8A16" and kernel_works(self.kernels.int8, 8) or \

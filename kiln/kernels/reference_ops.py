@@ -21,6 +21,9 @@ class ReferenceOps:
     quant_linear = staticmethod(quant.quant_linear)
     long_context = LONG_CONTEXT     # decode steps past this many keys may take other partitions (decode_partitions)
 
+    def __init__(self, fp8_context_fmha: bool = False):
+        self.fp8_context_fmha = fp8_context_fmha    # PluginConfig.use_fp8_context_fmha: e4m3 queries in prompt steps
+
     @staticmethod
     def pack_quant(algo: str, params: dict, gated: bool = False):
         """(layout, tensors) of the kernels' own layout for a quantized layer; None: the engine layout. gated: a
@@ -87,13 +90,13 @@ class ReferenceOps:
         reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping, kv_scale)
         return q
 
-    @staticmethod
-    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
-        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                  kv_scale=None):
+        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale,
+                                         fp8_queries=self.fp8_context_fmha and meta.max_query_len > 1)
 
-    @classmethod
-    def rope_cache_attention(cls, qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads,
+    def rope_cache_attention(self, qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads,
                              head_dim, scale: float, sliding_window: int | None, kv_scale=None):
         """rope_and_cache then attention: the attention output (T, H, D) of the fused projection qkv."""
-        q = cls.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
-        return cls.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)
+        q = self.rope_and_cache(qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, kv_scale)
+        return self.attention(q, kv_cache, meta, scale, sliding_window, kv_scale)

@@ -79,6 +79,7 @@ class ModelRunner:
         self.net = model_class(config.architecture).network_class.load(
             config, engine.weights[rank], build.max_seq_len, device,
             ops=select_ops(device, TritonOptions(context_fmha=plugins.context_fmha,
+                                                 fp8_context_fmha=plugins.use_fp8_context_fmha,
                                                  fp8_fast_accumulation=plugins.fp8_fast_accumulation,
                                                  pdl=plugins.programmatic_dependent_launch,
                                                  refittable=build.use_refit), plugins.cpu_kernels),

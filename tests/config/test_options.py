@@ -527,6 +527,23 @@ def test_plugin_and_lora_options_kiln_cannot_honour_are_refused():
         AutoParallelConfig(debug_mode=True)
 
 
+def test_fp8_context_fmha_needs_an_fp8_cache_and_rounds_prompt_queries():
+    """use_fp8_context_fmha: refused without an FP8 KV cache; with one, prompt steps on the CPU round each query row
+    to e4m3 (the first token's log-probabilities move, a little)."""
+    fp8 = PretrainedConfig(**TINY, quantization=QuantConfig(kv_cache_quant_algo="FP8"))
+    flag = BuildConfig(**SMALL, plugin_config=PluginConfig(use_fp8_context_fmha=True))
+    with pytest.raises(ValueError, match="use_fp8_context_fmha .* needs kv_cache_quant_algo FP8"):
+        build(_model(), flag, quiet=True)
+    model = _model(fp8)
+    firsts = []
+    for config in (BuildConfig(**SMALL), flag):
+        with LLM(build(model, config, quiet=True), device="cpu", quiet=True) as llm:
+            out = llm.generate([list(range(1, 12))], SamplingConfig(max_new_tokens=1, logprobs=3))
+            firsts.append(out[0].outputs[0].logprobs[0].top)
+    gaps = [abs(firsts[0][t] - firsts[1][t]) for t in firsts[0] if t in firsts[1]]
+    assert gaps and 0 < max(gaps) < 0.1, firsts
+
+
 def test_auto_parallel_in_build_and_its_debug_mode(capsys):
     auto = AutoParallelConfig(enabled=True, pp_size=2, debug_mode=True)
     engine = build(_model(), BuildConfig(**SMALL, auto_parallel_config=auto), quiet=True)

@@ -141,7 +141,7 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
     ref_cache = cache.clone()                            # the reference on the real rows (it has no padded rows)
     real = AttentionMetadata(meta.slot_mapping[:4], meta.query_start_loc[:5], meta.seq_lens[:4],
                              meta.block_tables[:4], 1, meta.max_seq_len, meta.tokens_per_block)
-    ref = ReferenceOps.rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads, dim,
+    ref = ReferenceOps().rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads, dim,
                                             scale, window)
     for parts, part_tokens in ((4, 64), (2, 128), (9, 64)) if split else ((1, None),):    # 201 keys at most
         out_cache = cache.clone()
@@ -186,6 +186,66 @@ def test_interpreted_prompt_attention(block_rows, tile, causal_split, window):
     out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                           32 ** -0.5, window, tile=tile, block_rows=block_rows, causal_split=causal_split)
     assert rel_err(out, ref) < 1e-2
+
+
+def _fp8_queries_case(g, on_grid: bool):
+    """(q, e4m3 cache, kv_scale, meta) of prompts, a chunk over a cached prefix and one-token rows (GQA 4:1, blocks
+    of 16). on_grid: every (token, head) row of q already lies on its own e4m3 grid (row max 448 · 2^-8), so that
+    rounding it to e4m3 is exact (the interpreter's float32 → e4m3 conversion is off at binade edges)."""
+    seqs = [(0, 37), (20, 45), (0, 1), (70, 1), (100, 30)]
+    q, cache, meta = _scattered_case(seqs, 8, 2, 32, 16, torch.float16, g, spare_blocks=3, order_generator=g)
+    if on_grid:
+        grid = (q.float() * 40).to(torch.float8_e4m3fn).float()
+        grid[..., 0] = 448.0
+        q = (grid * 2.0 ** -8).to(torch.float16)
+    return q, (cache.float() * 2).to(torch.float8_e4m3fn), torch.tensor([0.5, 0.25], device=g.device), meta
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [None, 40])
+def test_interpreted_fp8_context_attention(window):
+    """FP8 queries (use_fp8_context_fmha) over an e4m3 cache: each row's scale, the e4m3 product with the cached
+    keys and the fp16 values give the reference's attention (queries on their e4m3 grid, see _fp8_queries_case)."""
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    q, cache, kv_scale, meta = _fp8_queries_case(torch.Generator().manual_seed(5), on_grid=True)
+    ref = reference.paged_attention(q.float(), cache, meta, 32 ** -0.5, window, kv_scale, fp8_queries=True)
+    for tile, rows, split in ((32, 64, True), (16, 32, False)):
+        out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                              32 ** -0.5, window, kv_scale=kv_scale, tile=tile, block_rows=rows, causal_split=split,
+                              word_loads=False, fp8_queries=True)
+        assert rel_err(out, ref) < 1e-2
+
+
+def test_fp8_queries_round_each_row_to_e4m3():
+    """The reference's FP8 queries are each (token, head) row rounded to e4m3 on its own scale: the same attention
+    for queries already on their grid, a different one for random queries."""
+    g = torch.Generator().manual_seed(5)
+    for on_grid in (True, False):
+        q, cache, kv_scale, meta = _fp8_queries_case(g, on_grid)
+        plain = reference.paged_attention(q.float(), cache, meta, 32 ** -0.5, None, kv_scale)
+        fp8 = reference.paged_attention(q.float(), cache, meta, 32 ** -0.5, None, kv_scale, fp8_queries=True)
+        assert (rel_err(fp8, plain) < 1e-6) == on_grid
+        assert rel_err(fp8, plain) < 0.1
+
+
+@pytest.mark.gpu
+def test_fp8_context_attention():
+    """FP8 queries on the GPU's FP8 tensor cores, random (off-grid) queries in bf16: the reference with the same
+    rounding to e4m3, much closer than the 16-bit attention is (the FP8 path is the one taken), with the engine's
+    prompt tiles and the general ones."""
+    from kiln.kernels.triton.paged_attention import paged_attention
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, cache, kv_scale, meta = _fp8_queries_case(g, on_grid=False)
+    q = q.to(torch.bfloat16)
+    ref = reference.paged_attention(q.float(), cache, meta, 32 ** -0.5, None, kv_scale, fp8_queries=True)
+    plain = reference.paged_attention(q.float(), cache, meta, 32 ** -0.5, None, kv_scale)
+    for tile, rows, split in ((None, None, None), (64, 64, False)):
+        out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                              32 ** -0.5, None, kv_scale=kv_scale, tile=tile, block_rows=rows, causal_split=split,
+                              fp8_queries=True)
+        assert rel_err(out, ref) < 1e-2 < rel_err(ref, plain) / 2
 
 
 @pytest.mark.parametrize("kv, dim, heads, kv_heads, block", gpu_cases(

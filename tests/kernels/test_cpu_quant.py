@@ -205,6 +205,6 @@ def test_decode_steps_attend_and_rotate_as_the_reference(kv_heads, window, kv_dt
     q_cpu = cpu.CpuOps.rope_and_cache(qkv, meta, positions, cos_sin, caches[1], heads, kv_heads, dim, kv_scale)
     assert torch.equal(q_cpu, q_ref) and torch.equal(caches[1], caches[0])
     ref = reference.paged_attention(q_ref, caches[0], meta, dim ** -0.5, window, kv_scale)
-    out = cpu.CpuOps.attention(q_cpu, caches[1], meta, dim ** -0.5, window, kv_scale)
+    out = cpu.CpuOps().attention(q_cpu, caches[1], meta, dim ** -0.5, window, kv_scale)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert isinstance(meta.scratch["cpu_decode"][0], int) == (tables == [[3, 4, 5]])      # the view, where it applies

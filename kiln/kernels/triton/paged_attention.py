@@ -92,10 +92,11 @@ def online_softmax(s, v, m, l, acc, PRECISION: tl.constexpr, BASE2: tl.constexpr
 
 @triton.jit
 def online_softmax_whole(s, v, m, l, acc, qk_scale, PRECISION: tl.constexpr):
-    """online_softmax in base-2 units over a tile no row masks, its scores s not yet scaled: the running max stays
-    finite, so no -inf guard, and scaling and shifting are one multiply-add an element."""
+    """online_softmax in base-2 units over a tile no row masks, its scores s not yet scaled (by qk_scale, one
+    positive factor a row): the running max stays finite, so no -inf guard, and scaling and shifting are one
+    multiply-add an element."""
     m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
+    p = tl.exp2(s * qk_scale[:, None] - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, axis=1)
     return m_new, l, tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -105,7 +106,17 @@ def online_softmax_whole(s, v, m, l, acc, qk_scale, PRECISION: tl.constexpr):
 def _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS: tl.constexpr,
                 BLOCK_TOKENS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, KV_QUANT: tl.constexpr,
                 WORDS: tl.constexpr):
-    """Keys and values (TILE, DIM) of cache positions start + t in q's dtype (zeros from stop on)."""
+    """Keys and values (TILE, DIM) of cache positions start + t in q's dtype (zeros from stop on); e4m3 queries
+    (FP8 context attention) get the keys as the e4m3 cache holds them and the values in fp16."""
+    if q.dtype == tl.float8e4nv:
+        cached, in_range = _cache_rows(table, start, stop, t, kv_head, KV_HEADS, BLOCK_TOKENS)
+        k = tl.load(cache_ptr + cached[:, None] * DIM + d[None, :], mask=in_range[:, None], other=0.0)
+        if WORDS:
+            v_words = tl.load(cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cache_half // 4
+                              + cached[:, None] * (DIM // 4) + w[None, :], mask=in_range[:, None], other=0)
+            return k, _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
+        v = tl.load(cache_ptr + cache_half + cached[:, None] * DIM + d[None, :], mask=in_range[:, None], other=0.0)
+        return k, v.to(tl.float16)
     if WORDS:
         k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS,
                                              BLOCK_TOKENS, DIM)
@@ -121,13 +132,14 @@ def _paged_attention_kernel(
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, PART_TOKENS: tl.constexpr,
         NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WORD_LOADS: tl.constexpr,
-        CAUSAL_SPLIT: tl.constexpr, PDL: tl.constexpr):
+        CAUSAL_SPLIT: tl.constexpr, FP8_QUERIES: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence × the GROUP query heads of one KV head, over the keys of
     one partition of the sequence, TILE tokens at a time (each token's cache block looked up in the block
     table). With NUM_PARTS > 1 the partitions' softmax statistics are merged by _merge_kernel (split-K).
     WORD_LOADS (quantized caches): read the cache as int32 words converted by _cache_words_to_fp16; otherwise as
     8-bit values converted by Triton. CAUSAL_SPLIT (no sliding window): the tiles every query row of the block sees
-    whole run without the causal mask, only the tiles on the diagonal with it."""
+    whole run without the causal mask, only the tiles on the diagonal with it. FP8_QUERIES (an e4m3 cache): each
+    query row is quantized to e4m3 with its own scale and multiplied by the cached keys on the FP8 tensor cores."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,13 +176,19 @@ def _paged_attention_kernel(
         # A quantized cache is multiplied as it is stored (int8 and e4m3 convert exactly to fp16, one instruction
         # per value pair) with its scales applied once: the key scale to the scores, the value scale to the output.
         scale = scale * tl.load(kv_scale_ptr)
-        if q.dtype != tl.float32:
-            q = q.to(tl.float16)
-    qk_scale = scale * LOG2E
+    qk_scale = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32) + scale * LOG2E      # a factor per query row
+    if FP8_QUERIES:
+        q32 = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(q32), axis=1)
+        q_step = tl.maximum(q_amax, 1e-8) / 448.0       # as quant.quantize_activations_fp8 (448: e4m3's largest)
+        q = (q32 / q_step[:, None]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        qk_scale = qk_scale * q_step
+    elif KV_QUANT > 0 and q.dtype != tl.float32:
+        q = q.to(tl.float16)
     t = tl.arange(0, TILE)
     w = tl.arange(0, DIM // 4)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    WORDS: tl.constexpr = KV_QUANT > 0 and q.dtype == tl.float16 and WORD_LOADS
+    WORDS: tl.constexpr = KV_QUANT > 0 and (q.dtype == tl.float16 or q.dtype == tl.float8e4nv) and WORD_LOADS
     masked_from = first
     if CAUSAL_SPLIT:
         if window == 0:     # keys before the block's first query position are seen by every row: no mask there
@@ -186,7 +204,7 @@ def _paged_attention_kernel(
         in_range = kv_pos < stop
         k, v = _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, KV_HEADS, BLOCK_TOKENS,
                            DIM, TILE, KV_QUANT, WORDS)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (rows, TILE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale[:, None]  # (rows, TILE)
         ok = (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_range[None, :]
         if window > 0:
             ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -283,7 +301,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_parts: int = 1, part_tokens: int | None = None, tile: int | None = None,
                     kv_scale: torch.Tensor | None = None, warps_stages: tuple[int, int] | None = None,
                     word_loads: bool | None = None, mma: bool = True, launch: dict | None = None,
-                    block_rows: int | None = None, causal_split: bool | None = None) -> torch.Tensor:
+                    block_rows: int | None = None, causal_split: bool | None = None,
+                    fp8_queries: bool = False) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
@@ -292,7 +311,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     A decode step over an 8-bit cache goes to mma_decode_attention where it takes it (mma=False: to the Triton
     kernel, which the tests compare it with). block_rows: query rows (tokens × the KV head's query heads) a prompt
     program holds; causal_split: the tiles below the diagonal run without the causal mask (_paged_attention_kernel's
-    CAUSAL_SPLIT)."""
+    CAUSAL_SPLIT); fp8_queries: over an e4m3 cache, the queries are quantized to e4m3 a row at a time and
+    multiplied by the keys on the FP8 tensor cores (PluginConfig.use_fp8_context_fmha; reference.paged_attention's
+    fp8_queries)."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words, default_rows, default_split = attention_config(
@@ -324,7 +345,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_TOKENS=tokens_per_block, TILE=tile,
             BLOCK_Q=block_q, PART_TOKENS=part_tokens, NUM_PARTS=num_parts,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant(kv_cache),
-            WORD_LOADS=word_loads, CAUSAL_SPLIT=causal_split, num_warps=num_warps, num_stages=num_stages, **launch)
+            WORD_LOADS=word_loads, CAUSAL_SPLIT=causal_split,
+            FP8_QUERIES=fp8_queries and kv_cache.dtype == torch.float8_e4m3fn,
+            num_warps=num_warps, num_stages=num_stages, **launch)
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
                                          PARTS_PAD=triton.next_power_of_2(num_parts), DIM=dim, num_warps=4, **launch)

@@ -19,6 +19,9 @@ class TritonOptions:
 
     context_fmha: bool = True
     """Prompt (context) attention by the Triton kernel; False: by the reference (PluginConfig.context_fmha)."""
+    fp8_context_fmha: bool = False
+    """Steps with prompt tokens over an e4m3 cache quantize each query row to e4m3 (its own scale) and multiply it
+    by the cached keys on the FP8 tensor cores; P·V stays 16-bit (PluginConfig.use_fp8_context_fmha)."""
     fp8_fast_accumulation: bool = True
     """FP8 products accumulate at the tensor cores' full rate (PluginConfig.fp8_fast_accumulation)."""
     pdl: bool = True
