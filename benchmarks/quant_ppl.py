@@ -14,6 +14,7 @@ measures the quantization alone; cpu uses CpuOps (int8/int4 layers with bfloat16
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import math
 import time
@@ -34,7 +35,8 @@ MODES = [("W8A16", None, {}), ("W4A16", None, {}), ("W4A16_GPTQ", None, {}),
          ("W8A8_SQ_PER_CHANNEL_PER_TOKEN", None, {}), ("FP8", None, {}), ("FP8_PER_CHANNEL_PER_TOKEN", None, {}),
          (None, "INT8", {}), (None, "FP8", {}),
          ("W4A16_GPTQ", None, {"has_zero_point": True, "learned_rounding_steps": 100}),
-         ("W4A16_AWQ", None, {"learned_rounding_steps": 100})]
+         ("W4A16_AWQ", None, {"learned_rounding_steps": 100}),
+         (None, "FP8", {"use_fp8_context_fmha": True})]     # extras named after PluginConfig fields go to the build
 EVAL_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "eval.txt"
 HELD_OUT_MODULES = ["re", "statistics", "json", "argparse", "ssl", "csv", "socket", "unittest", "io", "heapq",
                     "itertools", "inspect", "doctest", "subprocess", "os", "typing"]
@@ -75,12 +77,16 @@ def main():
           "|---|---|---|---|---|---|---|---|")
     print(f"| float32 | {base[0]:.4f} | — | — | {base[1]:.4f} | — | — | — |")
     chosen = [MODES[int(i)] for i in args.modes.split(",")] if args.modes else MODES
+    plugin_fields = {f.name for f in dataclasses.fields(PluginConfig)}
     for algo, kv, extra in chosen:
+        quant = {k: v for k, v in extra.items() if k not in plugin_fields}
+        plugins = {k: v for k, v in extra.items() if k in plugin_fields}
         start = time.perf_counter()
         quantized = quantize_model(model, QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv,
-                                                      group_size=args.group_size, **extra), args.calib_size, quiet=True)
+                                                      group_size=args.group_size, **quant), args.calib_size, quiet=True)
         seconds = time.perf_counter() - start
-        engine = build(quantized, config, quiet=True)
+        engine = build(quantized, dataclasses.replace(
+            config, plugin_config=dataclasses.replace(config.plugin_config, **plugins)), quiet=True)
         (ppl, kl), (held, held_kl) = [scores(engine, ids, ref) for ids, ref in zip(texts, references)]
         name = algo if kv is None else f"KV {kv}" if algo is None else f"{algo} + KV {kv}"
         name += "".join(f" {k}={v}" for k, v in extra.items())
