@@ -115,6 +115,10 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
         return CpuOps(fp8_context_fmha=options.fp8_context_fmha)
     if torch.device(device).type != "cuda":
         return ReferenceOps(options.fp8_context_fmha)
+    if options.fp8_context_fmha and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("use_fp8_context_fmha multiplies on FP8 tensor cores (compute capability 8.9+: Ada, "
+                         f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: build without it")
     try:
         return TritonOps(options)
     except ImportError as err:

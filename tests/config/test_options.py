@@ -544,6 +544,18 @@ def test_fp8_context_fmha_needs_an_fp8_cache_and_rounds_prompt_queries():
     assert gaps and 0 < max(gaps) < 0.1, firsts
 
 
+def test_fp8_context_fmha_needs_fp8_tensor_cores(monkeypatch):
+    """A GPU without FP8 tensor cores (an A100, 8.0) refuses use_fp8_context_fmha when the engine loads."""
+    import torch
+
+    from kiln.kernels import TritonOptions, select_ops
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="use_fp8_context_fmha .* NVIDIA A100 is 8.0"):
+        select_ops("cuda", TritonOptions(fp8_context_fmha=True))
+
+
 def test_auto_parallel_in_build_and_its_debug_mode(capsys):
     auto = AutoParallelConfig(enabled=True, pp_size=2, debug_mode=True)
     engine = build(_model(), BuildConfig(**SMALL, auto_parallel_config=auto), quiet=True)
