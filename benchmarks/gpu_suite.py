@@ -126,6 +126,7 @@ def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_b
     ready LLM."""
     start = time.time()
     build = bench.default_bench_build(mode, input_len, output_len, max_batch)
+    build.plugin_config.use_fp8_context_fmha = args.use_fp8_context_fmha
     if lora:
         build.plugin_config.lora_plugin = "auto"
     build.max_draft_len = max_draft_len
@@ -637,6 +638,8 @@ def main():
     p.add_argument("--throughput_mode", default="bf16",
                    help="the throughput phase's engine mode (as in --latency_modes), e.g. FP8_PER_CHANNEL_PER_TOKEN+FP8+lm_head")
     p.add_argument("--max_batch", type=int, default=512, help="max_batch_size of the throughput engines")
+    p.add_argument("--use_fp8_context_fmha", action="store_true",
+                   help="engines with an FP8 KV cache: prompt attention's queries in e4m3 (PluginConfig)")
     p.add_argument("--latency_modes", default="bf16,W4A16_AWQ+lm_head,W8A16",
                    help="batch-1 modes of the quant phase ('': none, FP8 throughput only)")
     p.add_argument("--load_mode", default="bf16", help="the load phase's engine mode (as in --latency_modes)")

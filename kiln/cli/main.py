@@ -161,6 +161,9 @@ def _bench_parser(sub) -> None:
                    help="schedule and launch each step while the device runs the previous one")
     p.add_argument("--use_custom_all_reduce", action="store_true",
                    help="with --model and --tp_size: symmetric-memory all-reduce for small messages")
+    p.add_argument("--use_fp8_context_fmha", action="store_true",
+                   help="with --model and --kv_cache_quant_algo FP8: prompt attention's queries in e4m3 on the FP8 "
+                        "tensor cores")
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible, else the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", help="write a PNG of per-request latencies (needs matplotlib)")
@@ -534,6 +537,7 @@ def cmd_bench(args) -> None:
 
         build_config = bench.default_bench_build(args.mode, args.input_len, args.output_len, args.max_batch_size)
         build_config.plugin_config.use_custom_all_reduce = args.use_custom_all_reduce
+        build_config.plugin_config.use_fp8_context_fmha = args.use_fp8_context_fmha
         build_config.max_draft_len = args.max_draft_len if args.speculative else 0
         if args.quantize_lm_head and not args.quant_algo:
             raise ValueError("--quantize_lm_head needs --quant_algo (the LM head is quantized like the other layers)")
@@ -602,6 +606,11 @@ def _bench_device(args):
     device = bench.choose_device(args.device)
     if args.engine_dir and args.dtype:
         raise ValueError("--dtype applies to --model; a built engine keeps the dtype it was built in")
+    model_only = [f"--{name}" for name in ("quant_algo", "kv_cache_quant_algo", "quantize_lm_head", "max_batch_size",
+                                           "use_custom_all_reduce", "use_fp8_context_fmha") if getattr(args, name)]
+    if args.engine_dir and model_only:
+        raise ValueError(f"{', '.join(model_only)} apply to --model builds; a built engine keeps what it was "
+                         "built with")
     dtype = args.dtype or bench.default_dtype(device)
     if args.device is None and device.type == "cpu":
         print(f"kiln bench: no CUDA GPU is visible: running on the CPU{'' if args.engine_dir else ' in ' + dtype}",

@@ -132,6 +132,12 @@ def test_bench_dtype_belongs_to_model_builds(capsys):
     assert "--dtype applies to --model" in capsys.readouterr().err
 
 
+def test_bench_build_options_belong_to_model_builds(capsys):
+    assert main(["bench", "throughput", "--engine_dir", "E", "--use_fp8_context_fmha", "--max_batch_size", "8",
+                 "--device", "cpu"]) == 2
+    assert "--max_batch_size, --use_fp8_context_fmha apply to --model builds" in capsys.readouterr().err
+
+
 def test_bench_quantize_lm_head_needs_a_quant_algo(capsys):
     assert main(["bench", "throughput", "--model", "smollm2-135m", "--device", "cpu", "--quantize_lm_head"]) == 2
     assert "--quantize_lm_head needs --quant_algo" in capsys.readouterr().err
