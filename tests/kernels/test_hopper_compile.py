@@ -10,9 +10,21 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kiln.kernels.triton import decode_attention as da  # noqa: E402
 from kiln.kernels.triton import paged_attention as pa  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _ptx(fn, signature: dict, constants: dict, warps: int, stages: int) -> str:
+    """The PTX of `fn` for sm_90, its pointers (and cache_half) 16-byte aligned as a launch specializes torch's
+    tensors."""
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+               for name, kind in signature.items() if kind.startswith("*") or name == "cache_half"}
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn, signature=signature, attrs=aligned,
+                       constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=HOPPER, options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
 
 
 def _prompt_attention_ptx(cache: str, kv_quant: int, fp8_queries: bool, word_loads: bool, num_parts: int = 1,
@@ -28,12 +40,7 @@ def _prompt_attention_ptx(cache: str, kv_quant: int, fp8_queries: bool, word_loa
                      PART_TOKENS=pa.ONE_PARTITION if num_parts == 1 else 512, NUM_PARTS=num_parts,
                      PRECISION="tf32", KV_QUANT=kv_quant, WORD_LOADS=word_loads, CAUSAL_SPLIT=num_parts == 1,
                      FP8_QUERIES=fp8_queries, PDL=True)
-    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]    # as a launch specializes torch's tensors
-               for name, kind in signature.items() if kind.startswith("*") or name == "cache_half"}
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    source = ASTSource(fn, signature=signature, attrs=aligned,
-                       constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=HOPPER, options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+    return _ptx(fn, signature, constants, warps, stages)
 
 
 def _products(ptx: str) -> list[str]:
@@ -64,3 +71,16 @@ def test_split_decode_attention_compiles():
     heads making the 16 rows a product needs, as paged_attention launches it."""
     assert "ex2.approx" in _prompt_attention_ptx("*bf16", 0, fp8_queries=False, word_loads=True, num_parts=4,
                                                  tile=64, block_q=4, warps=4, stages=2)
+
+
+def test_fused_decode_attention_compiles():
+    """The fused rotary + cache write + decode attention of one-token steps (split over four partitions, merged by
+    the last program), bf16 cache, GQA 4:1: its products on the tensor cores."""
+    signature = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64",
+                 "cache_ptr": "*bf16", "cache_half": "i64", "block_tables_ptr": "*i32", "bt_stride": "i32",
+                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                 "part_acc_ptr": "*fp32", "arrivals_ptr": "*i32", "scale": "fp32", "window": "i32"}
+    constants = dict(KV_HEADS=8, GROUP=4, ROWS=16, DIM=128, BLOCK_TOKENS=32, TILE=64, PART_TOKENS=512, NUM_PARTS=4,
+                     PARTS_PAD=4, PRECISION="tf32", PDL=True)
+    ptx = _ptx(da._decode_attention_kernel, signature, constants, warps=4, stages=2)
+    assert "mma" in ptx and "ex2.approx" in ptx
