@@ -193,7 +193,8 @@ def _fp8_queries_case(g, on_grid: bool):
     of 16). on_grid: every (token, head) row of q already lies on its own e4m3 grid (row max 448 · 2^-8), so that
     rounding it to e4m3 is exact (the interpreter's float32 → e4m3 conversion is off at binade edges)."""
     seqs = [(0, 37), (20, 45), (0, 1), (70, 1), (100, 30)]
-    q, cache, meta = _scattered_case(seqs, 8, 2, 32, 16, torch.float16, g, spare_blocks=3, order_generator=g)
+    q, cache, meta = _scattered_case(seqs, 8, 2, 32, 16, torch.float16, g, spare_blocks=3,
+                                     order_generator=g if g.device.type == "cpu" else None)    # randperm: CPU only
     if on_grid:
         grid = (q.float() * 40).to(torch.float8_e4m3fn).float()
         grid[..., 0] = 448.0
@@ -245,7 +246,7 @@ def test_fp8_context_attention():
         out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                               32 ** -0.5, None, kv_scale=kv_scale, tile=tile, block_rows=rows, causal_split=split,
                               fp8_queries=True)
-        assert rel_err(out, ref) < 1e-2 < rel_err(ref, plain) / 2
+        assert rel_err(out, ref) < 1e-2 and rel_err(out, ref) < rel_err(ref, plain) / 3
 
 
 @pytest.mark.parametrize("kv, dim, heads, kv_heads, block", gpu_cases(
