@@ -572,9 +572,9 @@ def context_attention(args):
         scale = dim ** -0.5
         rate = lambda seconds: round(flops / seconds / 1e12, 1)  # noqa: E731
         with torch.inference_mode():
+            fp8_cache, ones = cache.to(torch.float8_e4m3fn), torch.ones(2, device="cuda")
             for name in args.context_variants.split(","):
                 tile, launch, rows, split = CONTEXT_VARIANTS[name]
-                fp8_cache, ones = cache.to(torch.float8_e4m3fn), torch.ones(2, device="cuda")
                 for kv, kv_cache, kv_scale, fp8_queries in (("bf16", cache, None, False),
                                                             ("fp8", fp8_cache, ones, False),
                                                             ("fp8q", fp8_cache, ones, True)):
@@ -600,7 +600,7 @@ def context_attention(args):
                                                                    n, scale, paged)))
                     except Exception as err:  # noqa: BLE001
                         log(f"{name}_error", repr(err)[:300])
-        del q, cache
+        del q, cache, fp8_cache
         torch.cuda.empty_cache()
 
 
@@ -656,6 +656,9 @@ def main():
     unknown = [name for name in args.phases.split(",") if name not in PHASES]
     if unknown:
         p.error(f"unknown phase {unknown[0]!r}: choose from {', '.join(PHASES)}")
+    unknown = [name for name in args.context_variants.split(",") if name not in CONTEXT_VARIANTS]
+    if unknown:
+        p.error(f"unknown context variant {unknown[0]!r}: choose from {', '.join(CONTEXT_VARIANTS)}")
     env(args)
     for name in args.phases.split(","):
         PHASES[name](args)

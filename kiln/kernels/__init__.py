@@ -48,7 +48,7 @@ class TritonOps(ReferenceOps):
                                          head_dim, kv_scale, self.launch)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None, kv_scale=None):
-        fp8_queries = self.options.fp8_context_fmha and meta.max_query_len > 1
+        fp8_queries = self.fp8_queries(meta)
         if meta.max_query_len > 1 and not self.options.context_fmha:
             return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale, fp8_queries)
         return self._attention.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -115,10 +115,11 @@ def select_ops(device: torch.device | str, options: TritonOptions = TritonOption
         return CpuOps(fp8_context_fmha=options.fp8_context_fmha)
     if torch.device(device).type != "cuda":
         return ReferenceOps(options.fp8_context_fmha)
-    if options.fp8_context_fmha and torch.cuda.get_device_capability(device) < (8, 9):
+    capability = torch.cuda.get_device_capability(device) if options.fp8_context_fmha else None
+    if capability is not None and capability < (8, 9):
         raise ValueError("use_fp8_context_fmha multiplies on FP8 tensor cores (compute capability 8.9+: Ada, "
                          f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: build without it")
+                         f"{'.'.join(map(str, capability))}: build without it")
     try:
         return TritonOps(options)
     except ImportError as err:

@@ -90,10 +90,14 @@ class ReferenceOps:
         reference.write_kv(k, v.view(t, kv_heads, head_dim), kv_cache, meta.slot_mapping, kv_scale)
         return q
 
+    def fp8_queries(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's attention rounds its queries to e4m3: steps with prompt tokens, with the option."""
+        return self.fp8_context_fmha and meta.max_query_len > 1
+
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                   kv_scale=None):
         return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale,
-                                         fp8_queries=self.fp8_context_fmha and meta.max_query_len > 1)
+                                         fp8_queries=self.fp8_queries(meta))
 
     def rope_cache_attention(self, qkv, meta: AttentionMetadata, positions, cos_sin, kv_cache, heads, kv_heads,
                              head_dim, scale: float, sliding_window: int | None, kv_scale=None):

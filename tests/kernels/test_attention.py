@@ -141,8 +141,8 @@ def test_interpreted_fused_decode_attention_is_rope_cache_and_attention(heads, k
     ref_cache = cache.clone()                            # the reference on the real rows (it has no padded rows)
     real = AttentionMetadata(meta.slot_mapping[:4], meta.query_start_loc[:5], meta.seq_lens[:4],
                              meta.block_tables[:4], 1, meta.max_seq_len, meta.tokens_per_block)
-    ref = ReferenceOps().rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads, dim,
-                                            scale, window)
+    ref = ReferenceOps().rope_cache_attention(qkv[:4], real, positions[:4], cos_sin, ref_cache, heads, kv_heads,
+                                              dim, scale, window)
     for parts, part_tokens in ((4, 64), (2, 128), (9, 64)) if split else ((1, None),):    # 201 keys at most
         out_cache = cache.clone()
         out = decode_attention.decode_attention(qkv, positions, cos_sin, out_cache, meta.slot_mapping,

@@ -109,24 +109,20 @@ def _kv_tile_as(q, cache_ptr, cache_half, table, start, stop, t, d, w, kv_head, 
     """Keys and values (TILE, DIM) of cache positions start + t in q's dtype (zeros from stop on); e4m3 queries
     (FP8 context attention) get the keys as the e4m3 cache holds them and the values in fp16."""
     # one return per static branch: Triton unifies the types of every return it generates
-    if q.dtype == tl.float8e4nv:
+    if q.dtype == tl.float8e4nv and WORDS:
         cached, in_range = _cache_rows(table, start, stop, t, kv_head, KV_HEADS, BLOCK_TOKENS)
         k = tl.load(cache_ptr + cached[:, None] * DIM + d[None, :], mask=in_range[:, None], other=0.0)
-        if WORDS:
-            v_words = tl.load(cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cache_half // 4
-                              + cached[:, None] * (DIM // 4) + w[None, :], mask=in_range[:, None], other=0)
-            v = _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
-        else:
-            v = tl.load(cache_ptr + cache_half + cached[:, None] * DIM + d[None, :], mask=in_range[:, None],
-                        other=0.0).to(tl.float16)
-        return k, v
+        v_words = tl.load(cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + cache_half // 4
+                          + cached[:, None] * (DIM // 4) + w[None, :], mask=in_range[:, None], other=0)
+        return k, _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
     elif WORDS:
         k_words, v_words = _load_cache_words(cache_ptr, cache_half, table, start, stop, t, w, kv_head, KV_HEADS,
                                              BLOCK_TOKENS, DIM)
         return _cache_words_to_fp16(k_words, KV_QUANT, TILE, DIM), _cache_words_to_fp16(v_words, KV_QUANT, TILE, DIM)
     else:
         k, v = kv_tile(cache_ptr, cache_half, table, start, stop, t, d, kv_head, KV_HEADS, BLOCK_TOKENS, DIM)
-        return k.to(q.dtype), v.to(q.dtype)
+        v_dtype: tl.constexpr = tl.float16 if q.dtype == tl.float8e4nv else q.dtype
+        return k.to(q.dtype), v.to(v_dtype)
 
 
 @triton.jit(do_not_specialize=["bt_stride", "window"])     # both vary between steps: no recompiles for them
