@@ -473,12 +473,12 @@ def fp8_decode(args):
 
 @phase
 def sparsity(args):
-    """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through torch's
-    semi-structured F.linear (what the runtime calls) and cuSPARSELt called directly (its default algorithm, the
-    one its search picks, and the fastest of a sweep over algorithm × split-K). Each is timed twice: calls back to
-    back (what an uncaptured prompt step pays, host work included: torch builds a cuSPARSELt plan every call) and
-    replayed in a CUDA graph (the GPU's time alone)."""
-    from kiln.kernels.sparse import prune_2_4, sparse_weight
+    """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through the runtime's
+    sparse_linear (cuSPARSELt with cached plans), torch's semi-structured F.linear, and torch's cuSPARSELt op
+    called directly (its default algorithm, the one its search picks, and the fastest of a sweep over algorithm ×
+    split-K). Each is timed twice: calls back to back (what an uncaptured prompt step pays, host work included:
+    torch builds a cuSPARSELt plan every call) and replayed in a CUDA graph (the GPU's time alone)."""
+    from kiln.kernels.sparse import prune_2_4, sparse_linear, sparse_weight
 
     tokens = 2048
     cslt = bool(torch.backends.cusparselt.is_available())
@@ -492,8 +492,9 @@ def sparsity(args):
             dense_s, dense_graph_s = bench._cuda_time(dense, 50), bench.graph_seconds([dense] * 8)
             log(f"sparsity_{name}_dense_TFLOPs",
                 f"{flops / dense_s / 1e12:.1f} (graph {flops / dense_graph_s / 1e12:.1f})")
-            variants = {"runtime": lambda: (lambda w: lambda: torch.nn.functional.linear(x, w))(
-                sparse_weight(weight, name))}
+            variants = {"runtime": lambda: (lambda w: lambda: sparse_linear(x, w, None))(sparse_weight(weight, name)),
+                        "torch_linear": lambda: (lambda w: lambda: torch.nn.functional.linear(x, w))(
+                            sparse_weight(weight, name))}
             if cslt:
                 compressed = torch._cslt_compress(weight)
                 variants["cslt_alg0"] = lambda: _cslt(compressed, x, 0, 1)

@@ -1,6 +1,6 @@
 """2:4 structured sparsity (at most two nonzeros in every four consecutive inputs of a weight row): checking and
 magnitude pruning, and the sparse product — NVIDIA's sparse tensor cores through torch's semi-structured sparse
-tensors (cuSPARSELt where torch has it, else CUTLASS) on GPUs of compute capability 8.0+, in fp16/bf16; CSR products
+tensors (cuSPARSELt where torch has it, called with cached plans, else CUTLASS) on GPUs of compute capability 8.0+, in fp16/bf16; CSR products
 on the CPU, in float32/float64."""
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
+
+from kiln.kernels import cusparselt
 
 GROUP = 4
 KEEP = 2
@@ -83,10 +86,15 @@ def _has_cusparselt() -> bool:
 
 
 def sparse_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a weight of sparse_weight (CSR products run as W x^T: torch's sparse linear refuses tensors
-    made under inference mode)."""
-    if weight.layout != torch.sparse_csr:       # semi-structured: the product comes transposed; kernels want rows
-        return F.linear(x, weight, bias).contiguous()
+    """x W^T + b for a weight of sparse_weight: cuSPARSELt with cached plans (kiln.kernels.cusparselt) where torch
+    compressed the weight for it, else torch's semi-structured product; CSR products on the CPU run as W x^T (torch's
+    sparse linear refuses tensors made under inference mode)."""
+    if weight.layout != torch.sparse_csr:
+        if isinstance(weight, SparseSemiStructuredTensorCUSPARSELT) and cusparselt.library() is not None:
+            out = cusparselt.sparse_mm(weight.packed, weight.shape[0], x.reshape(-1, x.shape[-1]))
+            out = out if bias is None else out.add_(bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias).contiguous()   # the product comes transposed; kernels want rows
     flat = x.reshape(-1, x.shape[-1]).T
     out = torch.sparse.mm(weight, flat) if bias is None else torch.addmm(bias[:, None], weight, flat)
     return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])

@@ -66,3 +66,32 @@ def test_sparse_tensor_core_product_equals_float64(dtype, tokens):
         expected = (x.double() @ weight.double().T)
         err = (got.double() - expected).abs().max() / expected.abs().max()
         assert err < 1e-2, f"{out}x{inp} at {tokens} tokens: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_cusparselt_plans_are_built_once_and_replay_in_cuda_graphs():
+    if not torch.cuda.is_available() or not torch.backends.cusparselt.is_available():
+        pytest.skip("needs a CUDA GPU and torch with cuSPARSELt")
+    from kiln.kernels import cusparselt
+
+    assert cusparselt.library() is not None, "torch has cuSPARSELt but kiln.kernels.cusparselt did not load it"
+    torch.manual_seed(3)
+    weight = prune_2_4(torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) * 0.02)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    sparse = sparse_weight(weight, "w")
+    x = torch.randn(2, 13, 2048, device="cuda", dtype=torch.bfloat16)[..., ::2]     # 26 tokens, not contiguous
+    expected = x.double() @ weight.double().T + bias.double()
+    with torch.inference_mode():
+        cusparselt._plans.clear()
+        got = sparse_linear(x, sparse, bias)
+        assert len(cusparselt._plans) == 1 and got.shape == (2, 13, 512) and got.is_contiguous()
+        assert (got.double() - expected).abs().max() < 1e-2 * expected.abs().max()
+        sparse_linear(x, sparse, bias)
+        assert len(cusparselt._plans) == 1                       # the same shape reuses its plan
+        static = x.contiguous()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = sparse_linear(static, sparse, bias)
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        torch.testing.assert_close(captured, sparse_linear(static, sparse, bias), rtol=0, atol=0)
