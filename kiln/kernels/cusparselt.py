@@ -17,6 +17,7 @@ OPAQUE = 1024           # bytes of cuSPARSELt's opaque structs (512 in 0.10, up 
 ALIGNMENT = 16          # bytes: every matrix's start, as its descriptors declare
 MIN_VERSION = 502       # 0.5.2: compute types {32I, 16F, 32F} (earlier releases numbered them otherwise)
 MAX_PLANS = 256
+MAX_BUCKET = 4096       # token counts from here on share one searched algorithm
 PAD_TOKENS = 8          # dense operands' rows a multiple of 8 (16-bit values), as torch pads them
 
 ORDER_COL, ORDER_ROW = 1, 2
@@ -24,7 +25,7 @@ NON_TRANSPOSE, TRANSPOSE = 0, 1
 SPARSITY_50_PERCENT = 0
 COMPUTE_32F = 2
 ALG_DEFAULT = 0
-ALG_CONFIG_ID = 0
+ALG_CONFIG_ID, SPLIT_K, SPLIT_K_MODE = 0, 3, 4      # cusparseLtMatmulAlgAttribute_t
 DATA_TYPES = {torch.float16: 2, torch.bfloat16: 14}       # cudaDataType: CUDA_R_16F, CUDA_R_16BF
 
 
@@ -50,9 +51,11 @@ class _Library:
             "cusparseLtMatmulDescriptorInit": [ptr, ptr, enum, enum, ptr, ptr, ptr, ptr, enum],
             "cusparseLtMatmulAlgSelectionInit": [ptr, ptr, ptr, enum],
             "cusparseLtMatmulAlgSetAttribute": [ptr, ptr, enum, ptr, ctypes.c_size_t],
+            "cusparseLtMatmulAlgGetAttribute": [ptr, ptr, enum, ptr, ctypes.c_size_t],
             "cusparseLtMatmulPlanInit": [ptr, ptr, ptr, ptr],
             "cusparseLtMatmulGetWorkspace": [ptr, ptr, ptr],
             "cusparseLtMatmul": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32],
+            "cusparseLtMatmulSearch": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -74,9 +77,11 @@ class _Library:
 
 class _Plan:
     """x W^T for one (weight rows m, inputs k, tokens n, dtype): W (m × k, row-major) is the sparse operand A; x
-    (n × k, row-major) is B stored transposed; D = W x^T is written column-major, which is x W^T row-major."""
+    (n × k, row-major) is B stored transposed; D = W x^T is written column-major, which is x W^T row-major.
+    `algorithm`: (config id, split-K, split-K mode) to set, or None for cuSPARSELt's defaults."""
 
-    def __init__(self, lib: _Library, m: int, k: int, n: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, lib: _Library, m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                 algorithm: tuple[int, int, int] | None = None):
         h, kind = lib.handle.ptr, DATA_TYPES[dtype]
         self.lib, self.structs = lib, [_Opaque() for _ in range(6)]
         a, b, d, matmul, selection, plan = (s.ptr for s in self.structs)
@@ -86,9 +91,13 @@ class _Plan:
         lib.check("cusparseLtDenseDescriptorInit", h, d, m, n, m, ALIGNMENT, kind, ORDER_COL)
         lib.check("cusparseLtMatmulDescriptorInit", h, matmul, NON_TRANSPOSE, TRANSPOSE, a, b, d, d, COMPUTE_32F)
         lib.check("cusparseLtMatmulAlgSelectionInit", h, selection, matmul, ALG_DEFAULT)
-        alg = ctypes.c_int(0)
-        lib.check("cusparseLtMatmulAlgSetAttribute", h, selection, ALG_CONFIG_ID, ctypes.byref(alg),
-                  ctypes.sizeof(alg))
+        if algorithm is not None:
+            config, split_k, split_k_mode = algorithm
+            self._set(ALG_CONFIG_ID, config)
+            if split_k not in (0, 1):
+                self._set(SPLIT_K, split_k)
+                if split_k_mode > 0:
+                    self._set(SPLIT_K_MODE, split_k_mode)
         lib.check("cusparseLtMatmulPlanInit", h, plan, matmul, selection)
         size = ctypes.c_size_t()
         lib.check("cusparseLtMatmulGetWorkspace", h, plan, ctypes.byref(size))
@@ -96,19 +105,40 @@ class _Plan:
         self.shape, self.dtype = (n, m), dtype
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def run(self, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+    def _set(self, attribute: int, value: int) -> None:
+        value = ctypes.c_int(value)
+        self.lib.check("cusparseLtMatmulAlgSetAttribute", self.lib.handle.ptr, self.structs[4].ptr, attribute,
+                       ctypes.byref(value), ctypes.sizeof(value))
+
+    def _get(self, attribute: int) -> int:
+        value = ctypes.c_int(0)
+        self.lib.check("cusparseLtMatmulAlgGetAttribute", self.lib.handle.ptr, self.structs[4].ptr, attribute,
+                       ctypes.byref(value), ctypes.sizeof(value))
+        return value.value
+
+    def _call(self, name: str, packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
-        self.lib.check("cusparseLtMatmul", self.lib.handle.ptr, self.structs[5].ptr, ctypes.byref(self.alpha),
+        self.lib.check(name, self.lib.handle.ptr, self.structs[5].ptr, ctypes.byref(self.alpha),
                        ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.byref(self.beta),
                        ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                        ctypes.c_void_p(self.workspace.data_ptr()), ctypes.byref(stream), 1)
+
+    def run(self, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        self._call("cusparseLtMatmul", packed, x, out)
         return out
+
+    def search(self, packed: torch.Tensor, x: torch.Tensor) -> tuple[int, int, int]:
+        """cuSPARSELt's timed search over its algorithms on these operands: (config id, split-K, split-K mode)
+        of the fastest."""
+        self._call("cusparseLtMatmulSearch", packed, x, torch.empty(self.shape, dtype=self.dtype, device=x.device))
+        return self._get(ALG_CONFIG_ID), self._get(SPLIT_K), self._get(SPLIT_K_MODE)
 
 
 _lock = threading.Lock()
 _library: _Library | None | bool = None     # False: looked for and not usable
 _plans: dict[tuple, _Plan] = {}
+_algorithms: dict[tuple, tuple[int, int, int]] = {}   # (device, dtype, rows, inputs, token bucket) → searched
 
 
 def library() -> _Library | None:
@@ -161,7 +191,9 @@ def _agrees_with_torch(lib: _Library) -> bool:
 
 def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
     """x W^T (tokens × rows) for x (tokens × inputs, float16/bfloat16 on the GPU) and W the 2:4 sparse weight
-    (rows × inputs) that `packed` holds compressed."""
+    (rows × inputs) that `packed` holds compressed. Each token count (padded to 8) gets a plan once; its algorithm
+    is the one cuSPARSELt's search picked for the first such product of its power-of-two bucket of token counts
+    (searched outside CUDA-graph capture; a plan made during a capture keeps the defaults)."""
     lib = library()
     if lib is None:
         raise RuntimeError("cuSPARSELt is not available")
@@ -173,8 +205,19 @@ def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
     plan = _plans.get(key)
     if plan is None:
         with _lock:
-            if len(_plans) >= MAX_PLANS:
-                _plans.pop(next(iter(_plans)))
-            plan = _plans[key] = _Plan(lib, rows, k, n + padded, x.dtype, x.device)
+            plan = _plan(lib, key, packed, x)
     out = plan.run(packed, x)
     return out[:n] if padded else out
+
+
+def _plan(lib: _Library, key: tuple, packed: torch.Tensor, x: torch.Tensor) -> _Plan:
+    device, dtype, rows, k, tokens = key
+    bucket = (device, dtype, rows, k, min(1 << (tokens - 1).bit_length(), MAX_BUCKET))
+    algorithm = _algorithms.get(bucket)
+    if algorithm is None and not torch.cuda.is_current_stream_capturing():
+        algorithm = _algorithms[bucket] = _Plan(lib, rows, k, tokens, dtype, device).search(packed, x)
+    plan = _Plan(lib, rows, k, tokens, dtype, device, algorithm)
+    if len(_plans) >= MAX_PLANS:
+        _plans.pop(next(iter(_plans)))
+    _plans[key] = plan
+    return plan

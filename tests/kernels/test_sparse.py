@@ -70,6 +70,8 @@ def test_sparse_tensor_core_product_equals_float64(dtype, tokens):
 
 @pytest.mark.gpu
 def test_cusparselt_plans_are_built_once_and_replay_in_cuda_graphs():
+    """The runtime's sparse path calls cuSPARSELt itself: one plan per token count (26 tokens padded to 32), its
+    algorithm searched once, the same product eager and replayed from a CUDA graph."""
     if not torch.cuda.is_available() or not torch.backends.cusparselt.is_available():
         pytest.skip("needs a CUDA GPU and torch with cuSPARSELt")
     from kiln.kernels import cusparselt
@@ -83,8 +85,10 @@ def test_cusparselt_plans_are_built_once_and_replay_in_cuda_graphs():
     expected = x.double() @ weight.double().T + bias.double()
     with torch.inference_mode():
         cusparselt._plans.clear()
+        cusparselt._algorithms.clear()
         got = sparse_linear(x, sparse, bias)
         assert len(cusparselt._plans) == 1 and got.shape == (2, 13, 512) and got.is_contiguous()
+        assert len(cusparselt._algorithms) == 1                  # searched for the 32-token bucket
         assert (got.double() - expected).abs().max() < 1e-2 * expected.abs().max()
         sparse_linear(x, sparse, bias)
         assert len(cusparselt._plans) == 1                       # the same shape reuses its plan
