@@ -26,8 +26,9 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               backend and varlen flash attention
   fp8_decode  FP8 products of 1 and 8 rows (the 8B and 70B projections, the 8B LM head): torch._scaled_mm beside
               fp8_decode on the engine's tile and on the alternatives of FP8_DECODE_SWEEP, µs and TB/s of weights
-  sparsity    2:4 sparse GEMMs (torch semi-structured: cuSPARSELt, CUTLASS) beside dense, the 8B projections at 2048
-              tokens, bf16, timed back to back and in CUDA graphs; cuSPARSELt's algorithm × split-K swept
+  sparsity    2:4 sparse GEMMs (the runtime's cached cuSPARSELt plans, torch's semi-structured calls) beside dense,
+              the 8B projections at 2048 tokens, bf16, timed back to back and in CUDA graphs (--sparsity_sweep: also
+              cuSPARSELt's algorithm × split-K swept)
   speculative the acceptance-controlled drafter (the model's greedy continuation, each token corrupted with
               probability 1 - alpha), k = 4, bf16: batch-1 tok/s at alpha 0.5..1.0 against decoding without drafts,
               and batch 64 (128/128) with drafts at alpha 0.8 and without
@@ -475,8 +476,8 @@ def fp8_decode(args):
 def sparsity(args):
     """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through the runtime's
     sparse_linear (cuSPARSELt with cached plans), torch's semi-structured F.linear, and torch's cuSPARSELt op
-    called directly (its default algorithm, the one its search picks, and the fastest of a sweep over algorithm ×
-    split-K). Each is timed twice: calls back to back (what an uncaptured prompt step pays, host work included:
+    called directly (its default algorithm, the one its search picks, and with --sparsity_sweep the fastest of a
+    sweep over algorithm × split-K). Each is timed twice: calls back to back (what an uncaptured prompt step pays, host work included:
     torch builds a cuSPARSELt plan every call) and replayed in a CUDA graph (the GPU's time alone)."""
     from kiln.kernels.sparse import prune_2_4, sparse_linear, sparse_weight
 
@@ -499,7 +500,8 @@ def sparsity(args):
                 compressed = torch._cslt_compress(weight)
                 variants["cslt_alg0"] = lambda: _cslt(compressed, x, 0, 1)
                 variants["cslt_searched"] = lambda: _cslt(compressed, x, _cslt_search(compressed, x, name), 1)
-                variants["cslt_swept"] = lambda: _cslt(compressed, x, *_cslt_sweep(compressed, x, name))
+                if args.sparsity_sweep:
+                    variants["cslt_swept"] = lambda: _cslt(compressed, x, *_cslt_sweep(compressed, x, name))
             for variant, make in variants.items():
                 try:
                     product = make()
@@ -651,6 +653,8 @@ def main():
                         "'ATTENTION_TILE=128;ATTENTION_LAUNCH=(8, 3)'")
     p.add_argument("--context_variants", default=",".join(CONTEXT_VARIANTS),
                    help=f"the context_attention phase's kernel variants, of {', '.join(CONTEXT_VARIANTS)}")
+    p.add_argument("--sparsity_sweep", action="store_true",
+                   help="the sparsity phase also sweeps cuSPARSELt's algorithm x split-K (slow)")
     p.add_argument("--test_paths", default="tests", help="comma-separated pytest paths of the checks phase")
     p.add_argument("--test_timeout", type=int, default=900, help="seconds the checks phase may take")
     args = p.parse_args()
