@@ -16,7 +16,7 @@ import torch
 OPAQUE = 1024           # bytes of cuSPARSELt's opaque structs (512 in 0.10, up to 1024 in older releases), aligned 16
 ALIGNMENT = 16          # bytes: every matrix's start, as its descriptors declare
 MIN_VERSION = 502       # 0.5.2: compute types {32I, 16F, 32F} (earlier releases numbered them otherwise)
-MAX_PLANS = 256
+MAX_PLANS = 4096        # a few KB of host memory each: every token count (padded to 8) up to 32k, times 4 shapes
 MAX_BUCKET = 4096       # token counts from here on share one searched algorithm
 PAD_TOKENS = 8          # dense operands' rows a multiple of 8 (16-bit values), as torch pads them
 
@@ -101,8 +101,8 @@ class _Plan:
         lib.check("cusparseLtMatmulPlanInit", h, plan, matmul, selection)
         size = ctypes.c_size_t()
         lib.check("cusparseLtMatmulGetWorkspace", h, plan, ctypes.byref(size))
-        self.workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
-        self.shape, self.dtype = (n, m), dtype
+        self.workspace = _workspace(device, size.value)
+        self.shape, self.dtype, self.algorithm = (n, m), dtype, algorithm
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def _set(self, attribute: int, value: int) -> None:
@@ -139,6 +139,16 @@ _lock = threading.Lock()
 _library: _Library | None | bool = None     # False: looked for and not usable
 _plans: dict[tuple, _Plan] = {}
 _algorithms: dict[tuple, tuple[int, int, int]] = {}   # (device, dtype, rows, inputs, token bucket) → searched
+_workspaces: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, size: int) -> torch.Tensor:
+    """A workspace of at least `size` bytes on `device`, shared by its plans (products run one at a time on the
+    stream). A larger one replaces it for new plans; the old ones stay allocated, since CUDA graphs may hold them."""
+    held = _workspaces.setdefault(device, [])
+    if not held or held[-1].numel() < size:
+        held.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
+    return held[-1]
 
 
 def library() -> _Library | None:
@@ -193,7 +203,8 @@ def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
     """x W^T (tokens × rows) for x (tokens × inputs, float16/bfloat16 on the GPU) and W the 2:4 sparse weight
     (rows × inputs) that `packed` holds compressed. Each token count (padded to 8) gets a plan once; its algorithm
     is the one cuSPARSELt's search picked for the first such product of its power-of-two bucket of token counts
-    (searched outside CUDA-graph capture; a plan made during a capture keeps the defaults)."""
+    (searched outside CUDA-graph capture: a plan made during one keeps the defaults until the next product of its
+    size outside a capture replaces it)."""
     lib = library()
     if lib is None:
         raise RuntimeError("cuSPARSELt is not available")
@@ -203,7 +214,7 @@ def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(padded, k)]) if padded else x.clone(memory_format=torch.contiguous_format)
     key = (x.device, x.dtype, rows, k, n + padded)
     plan = _plans.get(key)
-    if plan is None:
+    if plan is None or (plan.algorithm is None and not torch.cuda.is_current_stream_capturing()):
         with _lock:
             plan = _plan(lib, key, packed, x)
     out = plan.run(packed, x)
@@ -217,7 +228,7 @@ def _plan(lib: _Library, key: tuple, packed: torch.Tensor, x: torch.Tensor) -> _
     if algorithm is None and not torch.cuda.is_current_stream_capturing():
         algorithm = _algorithms[bucket] = _Plan(lib, rows, k, tokens, dtype, device).search(packed, x)
     plan = _Plan(lib, rows, k, tokens, dtype, device, algorithm)
-    if len(_plans) >= MAX_PLANS:
+    if key not in _plans and len(_plans) >= MAX_PLANS:
         _plans.pop(next(iter(_plans)))
     _plans[key] = plan
     return plan
