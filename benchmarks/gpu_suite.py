@@ -38,6 +38,7 @@ a batch of --max_batch prompts generating 8 tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -493,9 +494,9 @@ def sparsity(args):
             dense_s, dense_graph_s = bench._cuda_time(dense, 50), bench.graph_seconds([dense] * 8)
             log(f"sparsity_{name}_dense_TFLOPs",
                 f"{flops / dense_s / 1e12:.1f} (graph {flops / dense_graph_s / 1e12:.1f})")
-            variants = {"runtime": lambda: (lambda w: lambda: sparse_linear(x, w, None))(sparse_weight(weight, name)),
-                        "torch_linear": lambda: (lambda w: lambda: torch.nn.functional.linear(x, w))(
-                            sparse_weight(weight, name))}
+            variants = {"runtime": lambda: functools.partial(sparse_linear, x, sparse_weight(weight, name), None),
+                        "torch_linear": lambda: functools.partial(torch.nn.functional.linear, x,
+                                                                  sparse_weight(weight, name))}
             if cslt:
                 compressed = torch._cslt_compress(weight)
                 variants["cslt_alg0"] = lambda: _cslt(compressed, x, 0, 1)

@@ -153,8 +153,10 @@ def _workspace(device: torch.device, size: int) -> torch.Tensor:
 
 def library() -> _Library | None:
     """The loaded libcusparseLt (torch's copy where it loaded one), or None where there is none or it is older
-    than 0.5.2."""
+    than 0.5.2. Looked for once; every later call (one a sparse product) reads the answer without the lock."""
     global _library
+    if _library is not None:
+        return _library or None
     with _lock:
         if _library is None:
             _library = _load() or False

@@ -1,7 +1,7 @@
 """2:4 structured sparsity (at most two nonzeros in every four consecutive inputs of a weight row): checking and
 magnitude pruning, and the sparse product — NVIDIA's sparse tensor cores through torch's semi-structured sparse
-tensors (cuSPARSELt where torch has it, called with cached plans, else CUTLASS) on GPUs of compute capability 8.0+, in fp16/bf16; CSR products
-on the CPU, in float32/float64."""
+tensors (cuSPARSELt where torch has it, called with cached plans, else CUTLASS) on GPUs of compute capability 8.0+,
+in fp16/bf16; CSR products on the CPU, in float32/float64."""
 from __future__ import annotations
 
 import warnings
