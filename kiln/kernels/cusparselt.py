@@ -26,7 +26,9 @@ SPARSITY_50_PERCENT = 0
 COMPUTE_32F = 2
 ALG_DEFAULT = 0
 ALG_CONFIG_ID, SPLIT_K, SPLIT_K_MODE = 0, 3, 4      # cusparseLtMatmulAlgAttribute_t
-DATA_TYPES = {torch.float16: 2, torch.bfloat16: 14}       # cudaDataType: CUDA_R_16F, CUDA_R_16BF
+# cudaDataType CUDA_R_16BF. float16 stays on torch's calls: on an H100 (torch 2.11's libcusparseLt, CUDA 13) the
+# search over a float16 problem failed with an internal error and left the CUDA context faulted.
+DATA_TYPES = {torch.bfloat16: 14}
 
 
 class _Opaque:
@@ -202,7 +204,7 @@ def _agrees_with_torch(lib: _Library) -> bool:
 
 
 def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
-    """x W^T (tokens × rows) for x (tokens × inputs, float16/bfloat16 on the GPU) and W the 2:4 sparse weight
+    """x W^T (tokens × rows) for x (tokens × inputs, bfloat16 on the GPU) and W the 2:4 sparse weight
     (rows × inputs) that `packed` holds compressed. Each token count (padded to 8) gets a plan once; its algorithm
     is the one cuSPARSELt's search picked for the first such product of its power-of-two bucket of token counts
     (searched outside CUDA-graph capture: a plan made during one keeps the defaults until the next product of its
@@ -210,6 +212,8 @@ def sparse_mm(packed: torch.Tensor, rows: int, x: torch.Tensor) -> torch.Tensor:
     lib = library()
     if lib is None:
         raise RuntimeError("cuSPARSELt is not available")
+    if x.dtype not in DATA_TYPES:
+        raise ValueError(f"cached cuSPARSELt plans take {', '.join(map(str, DATA_TYPES))} operands, not {x.dtype}")
     n, k = x.shape
     padded = -n % PAD_TOKENS
     if padded or not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
