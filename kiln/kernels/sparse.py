@@ -87,8 +87,8 @@ def _has_cusparselt() -> bool:
 
 def sparse_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for a weight of sparse_weight: cuSPARSELt with cached plans (kiln.kernels.cusparselt) where torch
-    compressed the weight for it and the operands are bfloat16, else torch's semi-structured product; CSR products on the CPU run as W x^T (torch's
-    sparse linear refuses tensors made under inference mode)."""
+    compressed the weight for it and the operands are bfloat16, else torch's semi-structured product; CSR products
+    on the CPU run as W x^T (torch's sparse linear refuses tensors made under inference mode)."""
     if weight.layout != torch.sparse_csr:
         if (isinstance(weight, SparseSemiStructuredTensorCUSPARSELT) and x.dtype in cusparselt.DATA_TYPES
                 and cusparselt.library() is not None):
