@@ -272,16 +272,17 @@ def split_k_partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, t
 
 
 def attention_config(max_query_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16,
-                     dim: int = 128, device: torch.device | None = None
+                     dim: int = 128, device: torch.device | None = None, fp8_queries: bool = False
                      ) -> tuple[int, tuple[int, int], bool, int, bool]:
     """(keys per tile, (num_warps, num_stages), word loads of a quantized cache, query rows a program holds, causal
     split) of the paged attention kernel: tuning.DECODE_FP8_TILE for decode over an e4m3 cache,
-    tuning.PROMPT_ATTENTION for steps with prompt tokens and 16-bit queries where its K/V stages fit the GPU's shared
-    memory (Hopper's 227 KB at head dim 128; not the ~100 KB of GeForce cards)."""
+    tuning.PROMPT_ATTENTION (tuning.PROMPT_ATTENTION_FP8Q with fp8_queries) for steps with prompt tokens and 16-bit
+    queries where its K/V stages fit the GPU's shared memory (Hopper's 227 KB at head dim 128; not the ~100 KB of
+    GeForce cards)."""
     if max_query_len == 1 and kv_dtype == torch.float8_e4m3fn:
         return tuning.DECODE_FP8_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
     if max_query_len > 1 and q_dtype in (torch.float16, torch.bfloat16):
-        tile, launch, rows, split = tuning.PROMPT_ATTENTION
+        tile, launch, rows, split = tuning.PROMPT_ATTENTION_FP8Q if fp8_queries else tuning.PROMPT_ATTENTION
         if launch[1] * 2 * tile * dim * 2 <= shared_memory(device):      # stages × (K, V) × 16-bit values
             return tile, launch, True, rows, split
     return tuning.ATTENTION_TILE, tuning.ATTENTION_LAUNCH, True, 64, False
@@ -317,7 +318,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     default_tile, default_launch, default_words, default_rows, default_split = attention_config(
-        max_query_len, kv_cache.dtype, q.dtype, dim, q.device)
+        max_query_len, kv_cache.dtype, q.dtype, dim, q.device, fp8_queries)
     tile, (num_warps, num_stages) = tile or default_tile, warps_stages or default_launch
     word_loads = default_words if word_loads is None else word_loads
     block_rows = block_rows or default_rows

@@ -64,10 +64,13 @@ ATTENTION_LAUNCH = (4, 2)
 # Steps with prompt tokens (16-bit queries): keys per tile, (num_warps, num_stages), query rows (tokens × the KV
 # head's query heads) a program holds, and the causal split (tiles below the diagonal without the mask). One causal
 # sequence, GQA 8:1, head dim 128, on an H100 (benchmarks/gpu_suite.py --phases context_attention), TFLOP/s with a
-# bf16 / FP8 cache: at 2k tokens 196 / 170 against 174 / 142 for tile 64, (4, 2), 64 rows, no split; at 8k 296 / 241
-# against 231 / 187 (torch SDPA flash: 210 at 2k, 327 at 8k). GPUs whose shared memory cannot hold its K/V stages
+# bf16 / FP8 cache: at 2k tokens 262 / 240 against 240 / 202 for tile 64, (4, 2), 64 rows, no split; at 8k 388 / 323
+# against 293 / 237 (torch SDPA flash: 204 at 2k, 330 at 8k). GPUs whose shared memory cannot hold its K/V stages
 # keep the general tiles (paged_attention.attention_config).
 PROMPT_ATTENTION = (128, (8, 3), 128, True)
+# FP8 queries over an FP8 cache (use_fp8_context_fmha): the same tile with 2 stages, TFLOP/s on an H100 at 2k / 8k /
+# 32k tokens 301 / 439 / 442 against 268 / 379 / 416 with 3 stages (level at 1k: 144 against 148).
+PROMPT_ATTENTION_FP8Q = (128, (8, 2), 128, True)
 
 # --- weight-only decode GEMV (CUDA cores, interleaved layout) ----------------------------------------------------
 # (N, K, bits) → (BLOCK_N, BLOCKS, PREFETCH) fastest at one decode row for the Llama-3.1-8B shapes
