@@ -121,7 +121,9 @@ def test_int4_mma_model_folds_its_norms(monkeypatch):
                              for p in prompts]                            # one at a time: batch-1 steps
         assert any(folded) == fold
     for plain, fused in zip(outputs[False], outputs[True]):
-        _same_greedy_tokens_up_to_ties(plain.outputs[0], fused.outputs[0], tie=3e-2)
+        # the fold rounds the normalized activations to bf16 at other points: the paths may part where two bf16
+        # logits in [4, 8) lie one step (2**-5) apart (0.03125 seen on an H100), never at two steps
+        _same_greedy_tokens_up_to_ties(plain.outputs[0], fused.outputs[0], tie=5e-2)
 
 
 @pytest.mark.parametrize("algo, fused", gpu_cases([(algo, fused) for fused in (False, True)
