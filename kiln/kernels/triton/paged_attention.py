@@ -317,6 +317,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     fp8_queries)."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
+    fp8_queries = fp8_queries and kv_cache.dtype == torch.float8_e4m3fn
     default_tile, default_launch, default_words, default_rows, default_split = attention_config(
         max_query_len, kv_cache.dtype, q.dtype, dim, q.device, fp8_queries)
     tile, (num_warps, num_stages) = tile or default_tile, warps_stages or default_launch
@@ -347,7 +348,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             BLOCK_Q=block_q, PART_TOKENS=part_tokens, NUM_PARTS=num_parts,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant(kv_cache),
             WORD_LOADS=word_loads, CAUSAL_SPLIT=causal_split,
-            FP8_QUERIES=fp8_queries and kv_cache.dtype == torch.float8_e4m3fn,
+            FP8_QUERIES=fp8_queries,
             num_warps=num_warps, num_stages=num_stages, **launch)
     if num_parts > 1:
         _merge_kernel[(tokens * heads,)](part_m, part_l, part_acc, out, NUM_PARTS=num_parts,
