@@ -340,15 +340,39 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-LOAD_CHILD = """
-import json, os, sys, time
-if sys.argv[2] == "cold":                     # the engine's files out of the page cache: a first read from disk
-    for name in os.listdir(sys.argv[1]):
-        path = os.path.join(sys.argv[1], name)
+DROP_CACHE = """
+import os, sys
+def drop_cache(folder):                       # the engine's files out of the page cache: a first read from disk
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
         if os.path.isfile(path):
             fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+"""
+
+DISK_CHILD = DROP_CACHE + """
+import json, time
+from concurrent.futures import ThreadPoolExecutor
+CHUNK = 64 << 20
+drop_cache(sys.argv[1])
+paths = [os.path.join(sys.argv[1], n) for n in os.listdir(sys.argv[1]) if os.path.isfile(os.path.join(sys.argv[1], n))]
+def read(job):
+    path, offset = job
+    with open(path, "rb", buffering=0) as f:
+        return len(os.pread(f.fileno(), CHUNK, offset))
+jobs = [(p, o) for p in paths for o in range(0, os.path.getsize(p), CHUNK)]
+start = time.time()
+with ThreadPoolExecutor(16) as pool:
+    total = sum(pool.map(read, jobs))
+seconds = time.time() - start
+print(json.dumps({"bytes": total, "seconds": round(seconds, 2), "GB_s": round(total / seconds / 1e9, 3)}))
+"""
+
+LOAD_CHILD = DROP_CACHE + """
+import json, time
+if sys.argv[2] == "cold":
+    drop_cache(sys.argv[1])
 start = time.time()
 from kiln import LLM, SamplingConfig
 import contextlib, io
@@ -389,7 +413,8 @@ def save_random_engine(model: str, mode: str, path: str) -> dict:
 
 @phase
 def load(args):
-    """An engine built, compiled and saved by one process, then loaded to its first token by a fresh one with its
+    """An engine built, compiled and saved by one process; its files read from disk by 16 threads with the page cache
+    dropped (the disk's rate, the cold load's limit); then loaded to its first token by a fresh process with its
     files dropped from the page cache and by another with them cached; this process holds no GPU memory meanwhile
     (a 72 GB 70B FP8 engine would not fit twice)."""
     workdir = tempfile.TemporaryDirectory(prefix="kiln-suite-", dir=args.work_dir)   # 16-70 GB: not under $OUT
@@ -401,6 +426,8 @@ def load(args):
         raise RuntimeError(f"building the engine failed: {proc.stderr[-1500:]}")
     for key, value in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         log(f"load_{key}", value)
+    proc = subprocess.run([sys.executable, "-c", DISK_CHILD, path], capture_output=True, text=True, timeout=300)
+    log("load_disk_read_cold_16_threads", (proc.stdout.strip().splitlines() or [proc.stderr[-1500:]])[-1])
     for attempt in ("cold", "warm"):
         proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, path, attempt], capture_output=True, text=True,
                               timeout=300)

@@ -72,6 +72,8 @@ def candidates(tokens: int) -> list[MoeConfig]:
              MoeTile(128, 64, 8, 3, 8), MoeTile(128, 128, 8, 3, 8), MoeTile(256, 64, 8, 3, 8)]
     if rows < 16:
         tiles = tiles[:3] + [MoeTile(16, 256, 4, 4), MoeTile(32, 256, 4, 3), MoeTile(64, 256, 4, 3)]
+    elif rows >= 64:
+        tiles += [MoeTile(128, 128, 8, 4, 8), MoeTile(256, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 16)]
     return [MoeConfig(m, tile, tile) for m in block_ms for tile in tiles]
 
 
