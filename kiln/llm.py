@@ -392,6 +392,9 @@ class LLM:
 
     def save(self, engine_dir: str | Path) -> None:
         """Write the engine (built here or loaded) to a directory."""
+        if not self.engine.weights:
+            raise RuntimeError("this LLM was shut down and has let go of its engine's weights: save it before "
+                               "shutdown()")
         self.engine.save(engine_dir)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -625,6 +628,9 @@ class LLM:
         """Stop the engine loop (and the worker ranks) and free the device memory; unfinished requests fail with a
         clear error."""
         self._stop(unfreeze=True)
+        # Let go of the engine's weights too: an engine built on the device would otherwise stay there for as long
+        # as this object lives (an engine the caller passed in stays theirs, untouched).
+        self.engine = dataclasses.replace(self.engine, weights={})
 
     def _stop(self, unfreeze: bool) -> None:
         executor = getattr(self, "_executor", None)
