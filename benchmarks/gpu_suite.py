@@ -342,13 +342,13 @@ def _mean(values) -> float:
 
 DROP_CACHE = """
 import os, sys
+def engine_files(folder):
+    return [p for p in (os.path.join(folder, name) for name in os.listdir(folder)) if os.path.isfile(p)]
 def drop_cache(folder):                       # the engine's files out of the page cache: a first read from disk
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    for path in engine_files(folder):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 """
 
 DISK_CHILD = DROP_CACHE + """
@@ -356,7 +356,7 @@ import json, time
 from concurrent.futures import ThreadPoolExecutor
 CHUNK = 64 << 20
 drop_cache(sys.argv[1])
-paths = [os.path.join(sys.argv[1], n) for n in os.listdir(sys.argv[1]) if os.path.isfile(os.path.join(sys.argv[1], n))]
+paths = engine_files(sys.argv[1])
 def read(job):
     path, offset = job
     with open(path, "rb", buffering=0) as f:

@@ -1,5 +1,6 @@
 """Shutting an LLM down frees what its engine held on the device (weights, KV cache, graphs), also while the LLM
-object lives on: a second model can be loaded after the first in one process. Its statistics stay readable and a later request fails with a clear error."""
+object lives on: a second model can be loaded after the first in one process. Its statistics stay readable; a later
+request, or saving its engine, fails with a clear error."""
 from __future__ import annotations
 
 import gc
