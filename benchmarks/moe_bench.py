@@ -4,7 +4,7 @@ launch sequence from the router's logits to the summed output), TB/s of the rout
 and zero points of every expert that gets a token, read once) and TFLOP/s (2·T·k·3·H·I).
 
     python benchmarks/moe_bench.py [--tokens 1,16,128,1024,4096] [--formats bf16,fp8,int4] [--check] [--sweep]
-                                   [--backends triton,grouped]
+                                   [--backends triton,grouped] [--tma off|on|both]
 
 Needs Kiln installed (`pip install -e .`) and a CUDA GPU.
 
@@ -54,18 +54,20 @@ def routed_bytes(x: torch.Tensor, router: torch.Tensor, projections) -> int:
     return total
 
 
-def check(x, router, gate_up, down, algo, grouped: bool = False) -> float:
-    """Relative error of the fused layer against the reference loop (kiln.kernels.reference.moe, the CPU path) on
-    its first 64 tokens (tests/kernels/test_fused_moe.py holds both to a float64 oracle)."""
+def check(x, router, gate_up, down, algo, grouped: bool = False, config: MoeConfig | None = None) -> float:
+    """Relative error of the fused layer (on `config`'s tiles where given) against the reference loop
+    (kiln.kernels.reference.moe, the CPU path) on its first 64 tokens (tests/kernels/test_fused_moe.py holds both
+    to a float64 oracle)."""
     x = x[:64]
-    out = fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo, grouped_mm=grouped).double()
+    out = fused_moe(x, router, gate_up, down, TOP_K, True, 0, algo, grouped_mm=grouped, config=config).double()
     ref = reference.moe(x, router, gate_up, down, TOP_K, True, 0, algo).double()
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def candidates(tokens: int) -> list[MoeConfig]:
+def candidates(tokens: int, tma: str = "both") -> list[MoeConfig]:
     """Tile choices to time at `tokens`: row blocks near the rows an expert gets, tiles from narrow (few rows:
-    many programs streaming weights) to wide (many rows: operand reuse)."""
+    many programs streaming weights) to wide (many rows: operand reuse); from 64-row blocks on each also with its
+    operands read by the TMA engine (tma: "off", "on" (those alone) or "both")."""
     rows = tokens * TOP_K / EXPERTS
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)][-3:]
     tiles = [MoeTile(32, 128, 4, 4), MoeTile(64, 128, 4, 4), MoeTile(64, 64, 4, 4, 8), MoeTile(128, 64, 4, 4, 8),
@@ -74,13 +76,15 @@ def candidates(tokens: int) -> list[MoeConfig]:
         tiles = tiles[:3] + [MoeTile(16, 256, 4, 4), MoeTile(32, 256, 4, 3), MoeTile(64, 256, 4, 3)]
     elif rows >= 64:
         tiles += [MoeTile(128, 128, 8, 4, 8), MoeTile(256, 128, 8, 3, 8), MoeTile(128, 128, 8, 3, 16)]
-    return [MoeConfig(m, tile, tile) for m in block_ms for tile in tiles]
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[tma]
+    return [MoeConfig(m, tile, tile, on) for m in block_ms for tile in tiles for on in modes if m >= 64 or not on]
 
 
-def sweep(name: str, t: int, x, router, weights, algo) -> None:
-    """The fastest of `candidates` against the table's choice (a candidate that fails to compile is skipped)."""
+def sweep(name: str, t: int, x, router, weights, algo, tma: str = "both") -> None:
+    """The fastest of `candidates` against the table's choice (a candidate that fails to compile is skipped), each
+    with its relative error against the reference loop."""
     timed = []
-    for config in candidates(t):
+    for config in candidates(t, tma):
         try:
             timed.append((bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo,
                                                                   config=config)] * 4), config))
@@ -88,7 +92,9 @@ def sweep(name: str, t: int, x, router, weights, algo) -> None:
             print(f"    skipped {config}: {type(err).__name__}", flush=True)
     table = bench.graph_seconds([lambda: fused_moe(x, router, *weights, TOP_K, True, 0, algo)] * 4)
     for seconds, config in sorted(timed, key=lambda c: c[0])[:3]:
-        print(f"    {name} {t}: {seconds * 1e6:.1f} µs ({table / seconds:.2f}x the table's) {config}", flush=True)
+        error = check(x, router, *weights, algo, config=config)
+        print(f"    {name} {t}: {seconds * 1e6:.1f} µs ({table / seconds:.2f}x the table's, rel.err {error:.1e}) "
+              f"{config}", flush=True)
 
 
 def main() -> None:
@@ -98,6 +104,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates too")
     parser.add_argument("--backends", default="triton", help="triton and/or grouped (torch's grouped GEMMs)")
+    parser.add_argument("--tma", default="both", choices=("off", "on", "both"),
+                        help="--sweep's candidates without, with, or with and without TMA operand reads")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     hw = bench.Hardware.measure(torch.device("cuda"))
@@ -126,8 +134,8 @@ def main() -> None:
                         f"{routed_bytes(x, router, weights) / seconds / 1e12:>6.2f} {flops / seconds / 1e12:>8.1f}")
                 print(line + (f" {check(x, router, *weights, algo, grouped):>8.1e}" if args.check else ""), flush=True)
             if args.sweep:
-                sweep(name, t, x, router, weights, algo)
-        del weights
+                sweep(name, t, x, router, weights, algo, args.tma)
+        weights = None
         torch.cuda.empty_cache()
 
 

@@ -326,6 +326,81 @@ def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
 
 
 
+
+# the TMA path (MoeConfig.tma): float and both FP8 modes
+TMA_FORMATS = [(None, None), KERNEL_FORMATS[-2], KERNEL_FORMATS[-1]]
+
+
+def _tma_config(block_m: int):
+    from kiln.kernels.triton.tuning import MoeConfig, MoeTile
+
+    tile = MoeTile(32, 32, 4, 2) if INTERPRETING else MoeTile(128, 128, 8, 3, 8)
+    return MoeConfig(block_m, tile, tile, tma=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("algo, statics", TMA_FORMATS)
+def test_interpreted_tma_path_matches_float64(monkeypatch, algo, statics):
+    """Both operands read through tensor descriptors after the routed rows are gathered in expert order: the float64
+    oracle's layer, with blocks past the last segment and a rank holding experts 2-3 of 4."""
+    from kiln.kernels.triton import fused_moe as fm
+
+    taken = []
+    monkeypatch.setattr(fm, "_tma_moe", lambda *args, run=fm._tma_moe: taken.append(1) or run(*args))
+    for t, routing, first, seed in ((1, "random", 0, 1), (37, "random", 0, 3), (21, "one", 0, 4), (13, "random", 2, 5)):
+        x, router, gate_up, down = moe_case(algo, statics, t, *MOE_SHAPE["interpreter"], torch.float32, routing,
+                                            seed=seed)
+        if first:
+            gate_up, down = (_expert_slice(w, first, 2) for w in (gate_up, down))
+        out = fm.fused_moe(x, router, gate_up, down, 2, True, first, algo, config=_tma_config(16))
+        ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32], (t, routing, first, rel_err(out, ref))
+    assert len(taken) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, statics", TMA_FORMATS)
+def test_tma_path_matches_float64_and_replays(algo, statics):
+    """The TMA path on the GPU, bfloat16, 64- and 128-row blocks: the float64 oracle's layer from 1 to 4096 tokens,
+    balanced and all to two experts; and replayed in a CUDA graph on inputs that route differently."""
+    from kiln.kernels.triton.fused_moe import expert_weights, fused_moe, tma_refusal
+
+    x, router, gate_up, down = moe_case(algo, statics, 1, *MOE_SHAPE["cuda"], torch.bfloat16, device=CUDA)
+    refusal = tma_refusal(x, expert_weights(gate_up, algo), expert_weights(down, algo))
+    if refusal is not None:
+        pytest.skip(refusal)
+    for block_m in (64, 128):
+        config = _tma_config(block_m)
+        for t, routing, first, seed in _calls((1, 33, 777, 4096)):
+            x, router, gate_up, down = moe_case(algo, statics, t, *MOE_SHAPE["cuda"], torch.bfloat16, routing, CUDA,
+                                                seed)
+            out = fused_moe(x, router, gate_up, down, 2, True, first, algo, config=config)
+            ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
+            assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (block_m, t, routing, rel_err(out, ref))
+    static_x = x[:24].clone()
+    fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config)
+    for seed in (1, 2):
+        fresh = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
+        static_x.copy_(fresh.to(static_x.dtype))
+        graph.replay()
+        assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config))
+
+
+def test_tma_path_refuses_what_it_cannot_run():
+    """Weight-only experts, and tensors off a Hopper GPU outside the interpreter, keep the pointer kernels."""
+    pytest.importorskip("triton")
+    from kiln.kernels.triton.fused_moe import expert_weights, tma_refusal
+
+    x, _, gate_up, down = moe_case("W8A16", None, 3, 4, 32, 64, torch.float32)
+    assert "float or FP8" in tma_refusal(x, expert_weights(gate_up, "W8A16"), expert_weights(down, "W8A16"))
+    if not INTERPRETING:
+        x, _, gate_up, down = moe_case(None, None, 3, 4, 32, 64, torch.float32)
+        assert "Hopper" in tma_refusal(x, expert_weights(gate_up, None), expert_weights(down, None))
+
+
 def _loop_products(a, a_scale, w, ends, fast_accumulation):
     """grouped_products as a loop over the experts' segments (the stand-in for torch's grouped GEMMs on the CPU)."""
     out = torch.zeros(a.shape[0], w.weight.shape[1], dtype=torch.float32)

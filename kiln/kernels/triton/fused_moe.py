@@ -26,6 +26,7 @@ FP8 e4m3 (E, N, K) with a float32 scale per output channel (E, N), activations p
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +34,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                                   # Triton < 3.4: no host-side tensor descriptors
+    TensorDescriptor = None
 
 from ..quant import int4_group_size
 from .launch import launch_args, shared_memory, wait_for_inputs
@@ -555,6 +561,8 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | dic
     if grouped_mm:
         return _grouped_moe(x, ids, weights, gate_up_w, down_w, first_expert, fast_accumulation, launch)
     config = config or moe_config(x.shape[0], top_k, experts, gate_up_w.format)
+    if config.tma and tma_refusal(x, gate_up_w, down_w) is None:
+        return _tma_moe(x, ids, weights, gate_up_w, down_w, first_expert, config, fast_accumulation, launch)
     groups = align(ids, config.block_m, first_expert, experts, launch)
     act, act_scale = gate_up_act(x, groups.sorted_ids, groups.block_expert, gate_up_w, down_w, top_k, config,
                                  fast_accumulation, launch)
@@ -587,10 +595,10 @@ def grouped_mm_refusal(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeig
 
 
 @triton.jit(do_not_specialize=["ENTRIES"])
-def _gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, scale_ptr, ENTRIES, K, TOP_K: tl.constexpr,
-                        FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row `slot` of the gathered operand: x's row of the slot's token (zeros for padding), in x's dtype or as
-    per-token e4m3 with its scale."""
+def _gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, scale_ptr, static_ptr, ENTRIES, K, TOP_K: tl.constexpr,
+                        FP8_OUT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row `slot` of the gathered operand: x's row of the slot's token (zeros for padding), in x's dtype or in e4m3
+    with its scale (per token, or the STATIC one)."""
     wait_for_inputs(PDL)
     slot = tl.program_id(0).to(tl.int64)
     entry = tl.load(sorted_ptr + slot)
@@ -601,7 +609,8 @@ def _gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, scale_ptr, ENTRIES, K, TOP_K
     row = tl.load(x_ptr + token * K + cols, mask=ok & valid, other=0.0)
     if FP8_OUT:
         row = row.to(tl.float32)
-        store_fp8_row(row, fp8_row_scale(row), ok, out_ptr + slot * K + cols, scale_ptr, slot)
+        scale = tl.load(static_ptr) if STATIC else fp8_row_scale(row)
+        store_fp8_row(row, scale, ok, out_ptr + slot * K + cols, scale_ptr, slot)
     else:
         tl.store(out_ptr + slot * K + cols, row, mask=ok)
 
@@ -623,16 +632,18 @@ def _sum_slots_kernel(rows_ptr, slot_of_ptr, weights_ptr, out_ptr, T, N, TOP_K: 
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def gather_rows(x: torch.Tensor, groups: Alignment, top_k: int, fp8: bool,
+def gather_rows(x: torch.Tensor, groups: Alignment, top_k: int, fp8: bool, static_scale: torch.Tensor | None = None,
                 launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the gathered operand (S, H), its per-row e4m3 scales (S,) or None)."""
+    """(the gathered operand (S, H), its per-row e4m3 scales (S,) or None): FP8 rows quantized per token, or by
+    static_scale where given."""
     slots, k = groups.sorted_ids.shape[0], x.shape[1]
     out = torch.empty((slots, k), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
     scale = torch.empty(slots, dtype=torch.float32, device=x.device) if fp8 else None
     block = triton.next_power_of_2(k)
-    _gather_rows_kernel[(slots,)](x, groups.sorted_ids, out, out if scale is None else scale, x.shape[0] * top_k, k,
-                                  TOP_K=top_k, FP8_OUT=fp8, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
-                                  **launch_args(launch))
+    _gather_rows_kernel[(slots,)](x, groups.sorted_ids, out, out if scale is None else scale,
+                                  x if static_scale is None else static_scale, x.shape[0] * top_k, k,
+                                  TOP_K=top_k, FP8_OUT=fp8, STATIC=static_scale is not None, BLOCK=block,
+                                  num_warps=min(16, max(4, block // 1024)), **launch_args(launch))
     return out, scale
 
 
@@ -651,7 +662,7 @@ def _grouped_moe(x, ids, weights, gate_up: ExpertWeights, down: ExpertWeights, f
     t, top_k = ids.shape
     fp8 = gate_up.format == FP8
     groups = align(ids, GROUPED_BLOCK, first_expert, gate_up.weight.shape[0], launch)
-    a, a_scale = gather_rows(x, groups, top_k, fp8, launch)
+    a, a_scale = gather_rows(x, groups, top_k, fp8, launch=launch)
     gate_up_rows = grouped_products(a, a_scale, gate_up, groups.ends, fast_accumulation)
     if fp8:
         act = silu_and_mul_fp8(gate_up_rows, launch)
@@ -665,3 +676,134 @@ def _grouped_moe(x, ids, weights, gate_up: ExpertWeights, down: ExpertWeights, f
     _sum_slots_kernel[(t, triton.cdiv(n, block))](down_rows, groups.slot_of, weights, out, t, n, TOP_K=top_k,
                                                    BLOCK=block, num_warps=4, **launch_args(launch))
     return out
+
+
+# --- the experts' products with both operands read by the TMA engine (Hopper) ------------------------------------
+# MoeConfig.tma: the routed rows are gathered in expert order first (gather_rows: e4m3 for FP8 experts, per token or
+# by the static scale), so that each block's rows, like its expert's weight rows, are one rectangle of a
+# contiguous matrix: tensor descriptors load both operands (no per-element addresses), and the same two kernels as
+# above otherwise (SiLU·up in gate/up's epilogue, the routing weights in down's).
+def tma_refusal(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights) -> str | None:
+    """Why the TMA kernels cannot run this layer (None: they can): float or FP8 experts, rows of whole 16-byte
+    units, a Hopper (or newer) GPU or Triton's interpreter."""
+    if {gate_up.format, down.format} not in ({FLOAT}, {FP8}):
+        return "the TMA kernels take float or FP8 experts"
+    for w in (gate_up, down):
+        if not w.weight.is_contiguous() or (w.in_features * w.weight.element_size()) % 16:
+            return "the TMA kernels take contiguous expert weights whose rows are whole 16-byte units"
+    if (x.shape[1] * x.element_size()) % 16:
+        return "the TMA kernels take rows of whole 16-byte units"
+    if TensorDescriptor is None:
+        return f"Triton {triton.__version__} has no tensor descriptors"
+    if os.environ.get("TRITON_INTERPRET", "0") == "0" and not (
+            x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        return "the TMA engine is on Hopper GPUs (compute capability 9.0) and newer"
+    return None
+
+
+@triton.jit
+def _tma_dot(acc, a, w, FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a (BLOCK_M, BLOCK_K) · w (BLOCK_N, BLOCK_K)^T; e4m3 without fast accumulation adds each step's dot to
+    acc in float32."""
+    if FP8 and not FAST_ACCUM:
+        return acc + tl.dot(a, w.T)
+    return tl.dot(a, w.T, acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["NUM_M"])
+def _gate_up_tma_kernel(a_desc, a_scale_ptr, block_expert_ptr, w_desc, s_ptr, act_ptr, act_scale_ptr, NUM_M, INTER,
+                        K, FP8: tl.constexpr, FP8_ACT: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                        PRECISION: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    """act[slot] (BLOCK_M × BLOCK_N of I columns) = SiLU(gate)·up of the gathered rows a by the block's expert, as
+    _gate_up_kernel computes it."""
+    wait_for_inputs(PDL)
+    pid_m, pid_n = _tile_of(tl.program_id(0), NUM_M, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = act_ptr + slots[:, None].to(tl.int64) * INTER + cols[None, :]
+    if expert < 0:
+        tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], act_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+        return
+    first = expert * 2 * INTER + pid_n * BLOCK_N       # the block's gate rows; its up rows INTER further
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        gate = _tma_dot(gate, a, w_desc.load([first, k0]), FP8, FAST_ACCUM, PRECISION)
+        up = _tma_dot(up, a, w_desc.load([first + INTER, k0]), FP8, FAST_ACCUM, PRECISION)
+    if FP8:
+        a_scale = tl.load(a_scale_ptr + slots)[:, None]
+        rows = expert.to(tl.int64) * 2 * INTER + tl.minimum(cols, INTER - 1)
+        gate = gate * a_scale * tl.load(s_ptr + rows)[None, :]
+        up = up * a_scale * tl.load(s_ptr + rows + INTER)[None, :]
+    act = silu_mul(gate.to(DTYPE), up.to(DTYPE))
+    if FP8_ACT:
+        act = tl.clamp(tl.math.div_rn(act.to(tl.float32), tl.load(act_scale_ptr)), -448.0, 448.0)
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+
+
+@triton.jit(do_not_specialize=["ENTRIES", "NUM_M"])
+def _down_tma_kernel(a_desc, a_scale_ptr, sorted_ptr, block_expert_ptr, weights_ptr, w_desc, s_ptr, partial_ptr,
+                     ENTRIES, NUM_M, N, K, A_SCALE_STRIDE, FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    """partial[entry] = the entry's routing weight × act[slot] W_down^T by the block's expert, as _down_kernel."""
+    wait_for_inputs(PDL)
+    pid_m, pid_n = _tile_of(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert, slots, entries, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, ENTRIES, BLOCK_M)
+    if expert < 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = expert * N + pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _tma_dot(acc, a_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([first, k0]), FP8, FAST_ACCUM,
+                       PRECISION)
+    if FP8:
+        rows = expert.to(tl.int64) * N + tl.minimum(cols, N - 1)
+        acc = acc * tl.load(a_scale_ptr + slots * A_SCALE_STRIDE)[:, None] * tl.load(s_ptr + rows)[None, :]
+    safe = tl.where(valid, entries, 0).to(tl.int64)
+    acc *= tl.load(weights_ptr + safe, mask=valid, other=0.0)[:, None]
+    tl.store(partial_ptr + safe[:, None] * N + cols[None, :], acc, mask=valid[:, None] & (cols < N)[None, :])
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+    """A tensor descriptor of t as a (rows, K) matrix read in (block_rows, block_k) boxes."""
+    matrix = t.reshape(-1, t.shape[-1])
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [block_rows, block_k])
+
+
+def _tma_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights,
+             down: ExpertWeights, first_expert: int, config: MoeConfig, fast_accumulation: bool,
+             launch: dict) -> torch.Tensor:
+    t, top_k = ids.shape
+    experts, fp8 = gate_up.weight.shape[0], gate_up.format == FP8
+    groups = align(ids, config.block_m, first_expert, experts, launch)
+    a, a_scale = gather_rows(x, groups, top_k, fp8, gate_up.input_scale, launch)
+    slots, inter, hidden = a.shape[0], gate_up.out_features // 2, down.out_features
+    num_m = slots // config.block_m
+    static_act = fp8 and down.input_scale is not None
+    act = torch.empty((slots, inter), dtype=torch.float8_e4m3fn if static_act else x.dtype, device=x.device)
+    block_n, block_k, stages = _tile(config.gate_up, gate_up, config.block_m, a.element_size(), halves=2)
+    common = dict(FAST_ACCUM=fast_accumulation, PRECISION=_precision(x.dtype), BLOCK_M=config.block_m, FP8=fp8)
+    _gate_up_tma_kernel[(num_m * triton.cdiv(inter, block_n),)](
+        _descriptor(a, config.block_m, block_k), x if a_scale is None else a_scale, groups.block_expert,
+        _descriptor(gate_up.weight, block_n, block_k), x if gate_up.scale is None else gate_up.scale, act,
+        down.input_scale if static_act else x, num_m, inter, a.shape[1], FP8_ACT=static_act,
+        DTYPE=TL_DTYPES[x.dtype], BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.gate_up.group_m,
+        num_warps=config.gate_up.num_warps, num_stages=stages, **common, **launch_args(launch))
+    act_scale = down.input_scale
+    if fp8 and not static_act:
+        act, act_scale = quantize_fp8_rows(act, launch=launch)
+    partial = torch.empty((weights.numel(), hidden), dtype=torch.float32, device=x.device)
+    block_n, block_k, stages = _tile(config.down, down, config.block_m, act.element_size())
+    _down_tma_kernel[(num_m * triton.cdiv(hidden, block_n),)](
+        _descriptor(act, config.block_m, block_k), weights if act_scale is None else act_scale, groups.sorted_ids,
+        groups.block_expert, weights, _descriptor(down.weight, block_n, block_k),
+        weights if down.scale is None else down.scale, partial, weights.numel(), num_m, hidden, inter,
+        1 if fp8 and down.input_scale is None else 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=config.down.group_m, num_warps=config.down.num_warps, num_stages=stages, **common,
+        **launch_args(launch))
+    return sum_top_k(partial, ids, first_expert, experts, x.dtype, launch)

@@ -174,6 +174,7 @@ class MoeConfig:
     block_m: int          # rows of a block: every expert's segment is padded to a multiple of it
     gate_up: MoeTile
     down: MoeTile
+    tma: bool = False     # float and FP8 experts: operands gathered in expert order, both read by the TMA engine
 
 
 # (average rows per expert, T·k / E, up to; MoeConfig). Few rows (decode): 16-row blocks and narrow tiles, so that
