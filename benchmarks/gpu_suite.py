@@ -500,6 +500,33 @@ def fp8_decode(args):
         torch.cuda.empty_cache()
 
 
+PROMPT_GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@phase
+def prompt_gemm(args):
+    """The 8B shape's FP8 products at prompt-step sizes, TFLOP/s: torch._scaled_mm with a scale per token and per
+    channel (what FP8_PER_CHANNEL_PER_TOKEN layers run), with one scale per tensor (cuBLASLt's own FP8 path), and
+    the bf16 product, fast accumulation, bf16 out."""
+    for rows in (2048, 8192, 16384):
+        for name, (n, k) in PROMPT_GEMM_SHAPES.items():
+            x = torch.randn(rows, k, device="cuda").div(4).to(torch.float8_e4m3fn)
+            w = torch.randn(n, k, device="cuda").div(4).to(torch.float8_e4m3fn)
+            row_scale, col_scale = torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+            one = torch.ones((), device="cuda")
+            xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+            variants = {
+                "rowwise": lambda: torch._scaled_mm(x, w.t(), scale_a=row_scale, scale_b=col_scale,
+                                                    out_dtype=torch.bfloat16, use_fast_accum=True),
+                "tensorwise": lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                       use_fast_accum=True),
+                "bf16": lambda: xb @ wb.t()}
+            for variant, product in variants.items():
+                seconds = bench._cuda_time(product, 20)
+                log(f"prompt_gemm_{name}_m{rows}_{variant}_tflops", round(2 * rows * n * k / seconds / 1e12, 1))
+        torch.cuda.empty_cache()
+
+
 @phase
 def sparsity(args):
     """2:4 sparse GEMMs beside dense ones: the 8B shape's projections at 2048 tokens, bf16 — through the runtime's
@@ -651,7 +678,7 @@ def _varlen_seconds(varlen_attn, q, k, v, cache, tables, lens, starts, n: int, s
                                                     window_size=(-1, 0)), 5)
 
 
-PHASES = {"context_attention": context_attention, "fp8_decode": fp8_decode, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
+PHASES = {"context_attention": context_attention, "fp8_decode": fp8_decode, "prompt_gemm": prompt_gemm, "sparsity": sparsity, "speculative": speculative, "checks": checks, "latency": latency, "throughput": throughput, "load": load, "quant": quant,
           "lora": lora}
 
 

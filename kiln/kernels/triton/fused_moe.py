@@ -27,7 +27,7 @@ FP8 e4m3 (E, N, K) with a float32 scale per output channel (E, N), activations p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -55,7 +55,10 @@ def moe_config(tokens: int, top_k: int, experts: int, weights: int = FLOAT) -> M
     """The measured tiles for `tokens` routed to top_k of `experts` experts stored as `weights` (FLOAT, FP8, ...)."""
     table = {FLOAT: MOE_FLOAT_CONFIGS, FP8: MOE_FP8_CONFIGS}.get(weights, MOE_CONFIGS)
     rows = tokens * top_k / experts
-    return next(config for bound, config in table if rows <= bound)
+    config = next(config for bound, config in table if rows <= bound)
+    if tuning.MOE_TMA_ROWS is not None and weights in (FLOAT, FP8):
+        config = replace(config, tma=rows >= tuning.MOE_TMA_ROWS)
+    return config
 
 
 @dataclass(frozen=True)

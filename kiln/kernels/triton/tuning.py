@@ -202,4 +202,7 @@ MOE_FP8_CONFIGS = MOE_CONFIGS[:2] + [
 # triton,grouped): bf16 1.26x faster at 64 tokens, 1.21x at 512, 1.04x at 1024, 1.19x at 4096, 1.32x at 16384
 # (0.88x at 1 token); FP8 1.14x at 64 tokens but 0.60x at 512, 0.82x at 1024, 0.97x at 4096 (1.08x at 16384).
 MOE_GROUPED_MM_ROWS: dict[str, tuple[int, int | None]] = {"bf16": (16, None), "fp8": (16, 64)}
+# Rows per expert (T·k / E) from which float and FP8 experts on the Triton kernels read both operands through the TMA
+# engine (MoeConfig.tma, whatever the tables above say); None: as the tables say.
+MOE_TMA_ROWS: int | None = None
 MOE_SHARED_MEMORY = 224 << 10     # bytes of operand stages a grouped-GEMM program may hold (H100/H200: 227 KB)
