@@ -334,7 +334,7 @@ TMA_FORMATS = [(None, None), KERNEL_FORMATS[-2], KERNEL_FORMATS[-1]]
 def _tma_config(block_m: int):
     from kiln.kernels.triton.tuning import MoeConfig, MoeTile
 
-    tile = MoeTile(32, 32, 4, 2) if INTERPRETING else MoeTile(128, 128, 8, 3, 8)
+    tile = MoeTile(64, 64, 4, 2) if INTERPRETING else MoeTile(128, 128, 8, 3, 8)     # interpreter: ragged tiles
     return MoeConfig(block_m, tile, tile, tma=True)
 
 
