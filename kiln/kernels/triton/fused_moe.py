@@ -19,6 +19,9 @@ The sorted buffer has S = T·k + min(T·k, E)·(BLOCK_M − 1) rows (at most min
 padded by less than a block), rounded up to whole blocks; blocks past the last segment have expert -1 and their
 programs return at once. Entries routed to another rank's experts (expert parallel) are left out and summed as 0.
 
+With MoeConfig.tma (float and FP8 experts, Hopper) the routed rows are first gathered in sorted order (e4m3 for
+FP8 experts) and both operands of the two GEMMs are read through tensor descriptors (the TMA engine).
+
 Expert weights are read in the engine layout (kernels/quant.py) with a leading expert dimension: float (E, N, K);
 FP8 e4m3 (E, N, K) with a float32 scale per output channel (E, N), activations per token or with the static
 `input_scale`; W8A16 int8 (E, N, K) per channel; W4A16 packed int4 (E, N, K/2) with scales (and zero points)
