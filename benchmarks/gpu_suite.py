@@ -128,6 +128,8 @@ def _ready_llm(args, key: str, mode: str, input_len: int, output_len: int, max_b
     ready LLM."""
     start = time.time()
     build = bench.default_bench_build(mode, input_len, output_len, max_batch)
+    if args.max_num_tokens and mode == "throughput":
+        build.max_num_tokens = max(input_len, args.max_num_tokens)
     build.plugin_config.use_fp8_context_fmha = args.use_fp8_context_fmha
     if lora:
         build.plugin_config.lora_plugin = "auto"
@@ -207,7 +209,8 @@ def throughput(args):
     mode = args.throughput_mode
     for input_len, output_len in shapes:
         num = args.requests if (input_len, output_len) == (128, 128) else args.long_requests
-        key = f"throughput_{'' if mode == 'bf16' else mode + '_'}{input_len}_{output_len}_b{args.max_batch}"
+        key = f"throughput_{'' if mode == 'bf16' else mode + '_'}{input_len}_{output_len}_b{args.max_batch}" + (
+            f"_t{args.max_num_tokens}" if args.max_num_tokens else "")
         _throughput(args, key, input_len, output_len, num, args.max_batch, None if mode == "bf16" else mode_quant(mode))
         gc.collect()
         torch.cuda.empty_cache()
@@ -696,6 +699,8 @@ def main():
     p.add_argument("--throughput_mode", default="bf16",
                    help="the throughput phase's engine mode (as in --latency_modes), e.g. FP8_PER_CHANNEL_PER_TOKEN+FP8+lm_head")
     p.add_argument("--max_batch", type=int, default=512, help="max_batch_size of the throughput engines")
+    p.add_argument("--max_num_tokens", type=int, default=0,
+                   help="tokens a step of the throughput engines (0: kiln bench's default, up to 16384)")
     p.add_argument("--use_fp8_context_fmha", action="store_true",
                    help="engines with an FP8 KV cache: prompt attention's queries in e4m3 (PluginConfig)")
     p.add_argument("--latency_modes", default="bf16,W4A16_AWQ+lm_head,W8A16",
