@@ -609,21 +609,21 @@ CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stage
 
 @phase
 def context_attention(args):
-    """Causal prompt attention TFLOP/s, one sequence of 1k..32k tokens, 32 query heads over 4 KV heads (GQA 8:1) of
-    128: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches, and FP8 queries over the FP8
+    """Causal prompt attention TFLOP/s, one sequence of 1k..32k tokens, 32 query heads over --context_kv_heads KV
+    heads (4: GQA 8:1; Llama-3.1-8B has 8) of 128 in cache blocks of --context_block tokens: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches, and FP8 queries over the FP8
     cache) beside torch's SDPA flash backend on contiguous q/k/v, and torch's varlen flash attention over the same
     paged cache where this torch has it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kiln.kernels.triton.paged_attention import paged_attention
 
-    heads, kv_heads, dim, block = 32, 4, 128, 64
+    heads, kv_heads, dim, block = 32, args.context_kv_heads, 128, args.context_block
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         varlen_attn = None
     log("context_varlen_attn", varlen_attn is not None)
-    for n in CONTEXT_LENGTHS:
+    for n in map(int, args.context_lengths.split(",")):
         flops = 2 * n * n * heads * dim                                # causal: half of 4·N²·H·D
         q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
         blocks = torch.randperm(n // block, device="cuda")
@@ -711,6 +711,10 @@ def main():
                    help="semicolon-separated NAME=VALUE settings of kiln/kernels/triton/tuning.py for this run "
                         "(VALUE a Python literal), e.g. 'MOE_GROUPED_MM_ROWS={}' (never) or "
                         "'ATTENTION_TILE=128;ATTENTION_LAUNCH=(8, 3)'")
+    p.add_argument("--context_lengths", default=",".join(map(str, CONTEXT_LENGTHS)),
+                   help="prompt lengths of the context_attention phase")
+    p.add_argument("--context_kv_heads", type=int, default=4, help="KV heads of the context_attention phase")
+    p.add_argument("--context_block", type=int, default=64, help="cache block tokens of the context_attention phase")
     p.add_argument("--context_variants", default=",".join(CONTEXT_VARIANTS),
                    help=f"the context_attention phase's kernel variants, of {', '.join(CONTEXT_VARIANTS)}")
     p.add_argument("--sparsity_sweep", action="store_true",
