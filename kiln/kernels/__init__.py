@@ -51,10 +51,24 @@ class TritonOps(ReferenceOps):
         fp8_queries = self.fp8_queries(meta)
         if meta.max_query_len > 1 and not self.options.context_fmha:
             return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale, fp8_queries)
-        return self._attention.paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                               meta.max_query_len, scale, sliding_window, num_parts=meta.num_parts,
-                                               part_tokens=meta.part_tokens, kv_scale=kv_scale, launch=self.launch,
-                                               fp8_queries=fp8_queries)
+        attend = functools.partial(self._attention.paged_attention, kv_cache=kv_cache, scale=scale,
+                                   sliding_window=sliding_window, kv_scale=kv_scale, launch=self.launch)
+        d = meta.decode_seqs if meta.max_query_len > 1 else 0
+        if d == 0:
+            return attend(q, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                          query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
+                          num_parts=meta.num_parts, part_tokens=meta.part_tokens, fp8_queries=fp8_queries)
+        # A step's decode tokens go to the decode kernels, its prompt tokens to the prompt kernel: one prompt-kernel
+        # launch would give each decode token a program of query rows it fills one of, over all its keys.
+        out = torch.empty_like(q)
+        attend(q[:d], block_tables=meta.block_tables[:d], seq_lens=meta.seq_lens[:d],
+               query_start_loc=meta.query_start_loc[:d + 1], max_query_len=1, out=out[:d])
+        starts = meta.scratch.get("prompt_starts")
+        if starts is None:
+            starts = meta.scratch["prompt_starts"] = meta.query_start_loc[d:] - d
+        attend(q[d:], block_tables=meta.block_tables[d:], seq_lens=meta.seq_lens[d:], query_start_loc=starts,
+               max_query_len=meta.max_query_len, fp8_queries=fp8_queries, out=out[d:])
+        return out
 
     def rope_cache_attention(self, qkv, meta, positions, cos_sin, kv_cache, heads, kv_heads, head_dim, scale,
                              sliding_window, kv_scale=None):

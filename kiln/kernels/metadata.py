@@ -76,6 +76,9 @@ class AttentionMetadata:
     max_seq_len: int
     tokens_per_block: int
     num_parts: int = 1              # split-K partitions per sequence for decode attention (multi_block_mode)
+    # In a step with prompt tokens: how many leading sequences compute one token each (decodes). Their attention
+    # runs as a decode step's (the decode kernels, 16-bit queries) and the rest as prompts; 0: none split off.
+    decode_seqs: int = 0
     part_tokens: int | None = None  # keys per partition (None: the whole block table)
     scratch: dict = field(default_factory=dict)  # per-step values shared by all layers (built on first use)
     lora: LoraBatch | None = None   # the step's LoRA adapters per token; None: the base model for every token

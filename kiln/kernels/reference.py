@@ -129,10 +129,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     The new tokens' k/v must already be written to the cache (write_kv). Grouped-query heads attend as
     (B, KH, Q * G, D) queries against (B, KH, K, D) keys, so the cache is never repeated per head.
     fp8_queries (FP8 context attention, over an e4m3 cache): each (token, head) row of q is first rounded to e4m3
-    with its own scale, as the kernels multiply it."""
+    with its own scale, as the kernels multiply it, but the rows of the step's leading decode tokens
+    (meta.decode_seqs), which attend as a decode step's."""
     if fp8_queries and kv_cache.dtype == torch.float8_e4m3fn:
         values, step = quant.quantize_activations_fp8(q)
-        return paged_attention(values.float() * step, kv_cache, meta, scale, sliding_window, kv_scale).to(q.dtype)
+        rounded = values.float() * step
+        rounded[:meta.decode_seqs] = q[:meta.decode_seqs].float()
+        return paged_attention(rounded, kv_cache, meta, scale, sliding_window, kv_scale).to(q.dtype)
     slots, mask, q_valid, q_index = _gather_plan(meta, sliding_window)
     heads, kv_heads, dim = q.shape[1], kv_cache.shape[-2], q.shape[-1]
     group = heads // kv_heads

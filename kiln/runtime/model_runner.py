@@ -22,7 +22,7 @@ from .lora import LoraManager
 from .prompt_table import take_table_rows
 from .request import PENDING_TOKEN, Request, Sequence, may_speculate
 from .scheduler import ModelStepOutput, SampledToken, SchedulerOutput
-from .step import Step, split_step
+from .step import Step, leading_decodes, split_step
 
 @dataclass
 class StepLogits:
@@ -344,6 +344,8 @@ class ModelRunner:
                                  tokens_per_block=self.tokens_per_block, lora=self.lora.batch(step))
         if step.max_query_len == 1:
             meta.num_parts, meta.part_tokens = self._graph_parts(len(step.seq_lens), step.max_seq_len)
+        else:
+            meta.decode_seqs = leading_decodes(step.query_start_loc)
         return meta
 
     def _logits(self, hidden: torch.Tensor, step: Step) -> torch.Tensor:

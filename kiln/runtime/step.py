@@ -58,3 +58,13 @@ def split_step(step: Step, parts: int) -> list[tuple[Step, list[int]]]:
                              max(step.seq_lens[a:b]), [step.logit_rows[j] - t0 for j in owned],
                              None if step.lora_slots is None else step.lora_slots[a:b], prompt_embeds=embeds), owned))
     return batches
+
+
+def leading_decodes(query_start_loc: list) -> int:
+    """How many leading sequences of a step compute one token each (AttentionMetadata.decode_seqs)."""
+    count = 0
+    for start, end in zip(query_start_loc, query_start_loc[1:]):
+        if end - start != 1:
+            break
+        count += 1
+    return count

@@ -230,6 +230,57 @@ def test_fp8_queries_round_each_row_to_e4m3():
         assert rel_err(fp8, plain) < 0.1
 
 
+def _mixed_step(g, kv: str):
+    """(q, cache, kv_scale, meta) of a step whose first three sequences decode one token each (the step's leading
+    decodes, meta.decode_seqs) before two prompts, a chunk over a cached prefix, and a one-token sequence after
+    them; a bf16 or e4m3 ("FP8") cache."""
+    seqs = [(70, 1), (300, 1), (5, 1), (0, 37), (20, 45), (40, 1)]
+    q, cache, meta = _scattered_case(seqs, 8, 2, 64, 16, torch.bfloat16, g, spare_blocks=3,
+                                     order_generator=g if g.device.type == "cpu" else None)
+    meta.decode_seqs = 3
+    if kv == "FP8":
+        return q, (cache.float() * 2).to(torch.float8_e4m3fn), torch.tensor([0.5, 0.25], device=g.device), meta
+    return q, cache, None, meta
+
+
+def test_fp8_queries_leave_a_steps_leading_decodes_alone():
+    """With FP8 queries the reference rounds the prompt rows to e4m3 and keeps the leading decode tokens' rows (which
+    the GPU attends as a decode step's) in 16 bits, the later one-token row included in the prompts' rounding."""
+    q, cache, kv_scale, meta = _mixed_step(torch.Generator().manual_seed(3), "FP8")
+    plain = reference.paged_attention(q.float(), cache, meta, 0.125, None, kv_scale)
+    fp8 = reference.paged_attention(q.float(), cache, meta, 0.125, None, kv_scale, fp8_queries=True)
+    meta.decode_seqs = 0
+    every_row = reference.paged_attention(q.float(), cache, meta, 0.125, None, kv_scale, fp8_queries=True)
+    assert torch.allclose(fp8[:3], plain[:3], atol=1e-6) and torch.allclose(fp8[3:], every_row[3:], atol=1e-6)
+    assert rel_err(fp8[3:], plain[3:]) > 1e-3
+
+
+def test_leading_decodes_counts_one_token_sequences_before_the_first_prompt():
+    from kiln.runtime.step import leading_decodes
+
+    assert leading_decodes([0, 1, 2, 3, 40, 41]) == 3
+    assert leading_decodes([0, 37, 38]) == 0 and leading_decodes([0, 1, 2]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv, fp8_queries", [("bf16", False), ("FP8", False), ("FP8", True)])
+def test_mixed_step_attends_its_decodes_as_a_decode_step(kv, fp8_queries):
+    """TritonOps.attention on a step of leading decodes and prompts: the decode tokens on the decode kernels, the
+    rest on the prompt kernel, each writing its rows of one output: the reference's attention (FP8 queries for the
+    prompt rows alone), and without the split (decode_seqs 0) the prompt kernel's for every row."""
+    from kiln.kernels import TritonOps, TritonOptions
+
+    q, cache, kv_scale, meta = _mixed_step(torch.Generator(device="cuda").manual_seed(11), kv)
+    ops = TritonOps(TritonOptions(fp8_context_fmha=fp8_queries))
+    ref = reference.paged_attention(q.float(), cache.float() if kv == "bf16" else cache, meta, 0.125, None,
+                                    kv_scale, fp8_queries=fp8_queries)
+    out = ops.attention(q, cache, meta, 0.125, None, kv_scale)
+    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+    if not fp8_queries:
+        meta.decode_seqs = 0
+        assert rel_err(ops.attention(q, cache, meta, 0.125, None, kv_scale), ref) < 1e-2
+
+
 @pytest.mark.gpu
 def test_fp8_context_attention():
     """FP8 queries on the GPU's FP8 tensor cores, random (off-grid) queries in bf16: the reference with the same

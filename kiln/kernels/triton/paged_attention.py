@@ -303,7 +303,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     kv_scale: torch.Tensor | None = None, warps_stages: tuple[int, int] | None = None,
                     word_loads: bool | None = None, mma: bool = True, launch: dict | None = None,
                     block_rows: int | None = None, causal_split: bool | None = None,
-                    fp8_queries: bool = False) -> torch.Tensor:
+                    fp8_queries: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, H, D) over each sequence's paged keys/values → (T, H, D).
 
     num_parts > 1 splits each sequence's keys into partitions of part_tokens (multi_block_mode) and merges them.
@@ -314,7 +314,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     program holds; causal_split: the tiles below the diagonal run without the causal mask (_paged_attention_kernel's
     CAUSAL_SPLIT); fp8_queries: over an e4m3 cache, the queries are quantized to e4m3 a row at a time and
     multiplied by the keys on the FP8 tensor cores (PluginConfig.use_fp8_context_fmha; reference.paged_attention's
-    fp8_queries)."""
+    fp8_queries). out: where the result goes (contiguous, q's shape; default a new tensor)."""
     tokens, heads, dim = q.shape
     kv_heads, tokens_per_block = kv_cache.shape[-2], kv_cache.shape[2]
     fp8_queries = fp8_queries and kv_cache.dtype == torch.float8_e4m3fn
@@ -333,7 +333,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                 and decode_mma(kv_cache.dtype, dim, group, tokens_per_block, q.device))
     part_tokens = partition_tokens(num_parts, part_tokens, block_tables, tokens_per_block,
                                    mma_decode_attention.CHUNK if one_warp else tile)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     part_m, part_l, part_acc = split_k_partials(out, num_parts)
     if one_warp:
         mma_decode_attention.decode_attention(
