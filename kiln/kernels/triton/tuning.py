@@ -185,7 +185,8 @@ class MoeConfig:
 # 200 µs (3.5 TB/s of the two routed experts; 237 µs 128 deep); bf16 at 4096 tokens 507 TFLOP/s. FP8 experts from
 # 48 rows take 128 × 128 tiles, from 96 rows 128-row blocks: 512 tokens 672 µs, 4096 tokens 3.11 ms (928 TFLOP/s;
 # 917 µs and 4.30 ms on the 64 × 64 tiles of the int table); from 96 rows both operands through the TMA engine, 4
-# stages deep (H100: 1024 tokens 1042 → 969 µs, 4096 tokens 3.19 → 2.91 ms, 991 TFLOP/s; static FP8 1.09x / 1.13x).
+# stages deep (H100: 1024 tokens 1037 → 972 µs, 4096 tokens 3.18 → 2.99 ms; static FP8 978 → 917 µs, 3.08 → 2.86 ms;
+# the pointer kernels 4 stages deep: 968 µs and 3.22 ms; the same error against the reference either way).
 MOE_CONFIGS = [
     (16, MoeConfig(16, MoeTile(64, 128, 4, 4), MoeTile(32, 128, 4, 4))),
     (48, MoeConfig(32, MoeTile(64, 128, 4, 4), MoeTile(64, 128, 4, 4))),
