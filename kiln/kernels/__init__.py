@@ -53,7 +53,7 @@ class TritonOps(ReferenceOps):
             return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scale, fp8_queries)
         attend = functools.partial(self._attention.paged_attention, kv_cache=kv_cache, scale=scale,
                                    sliding_window=sliding_window, kv_scale=kv_scale, launch=self.launch)
-        d = meta.decode_seqs if meta.max_query_len > 1 else 0
+        d = meta.decode_seqs
         if d == 0:
             return attend(q, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
                           query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,

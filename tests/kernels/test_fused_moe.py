@@ -304,6 +304,20 @@ def test_interpreted_fused_moe_in_a_model_gives_the_reference_tokens(tiny_models
     assert greedy_tokens(model, FusedMoeOps(), prompts, 4) == greedy_tokens(model, ReferenceOps(), prompts, 4)
 
 
+def assert_replays_eagerly(layer, static_x: torch.Tensor, seeds=(1, 2)) -> None:
+    """layer (x → out), captured once in a CUDA graph on static_x (compiled before the capture), replayed on fresh
+    inputs that route differently: the eager result each time (no host sync, no shape that depends on the routing)."""
+    layer(static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for seed in seeds:
+        fresh = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
+        static_x.copy_(fresh.to(static_x.dtype))
+        graph.replay()
+        assert torch.equal(static_out, layer(static_x)), seed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("algo, statics", [(None, None), ("W4A16_GPTQ", None), *KERNEL_FORMATS[-2:]])
 def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
@@ -313,16 +327,7 @@ def test_fused_moe_replays_in_a_cuda_graph(algo, statics):
 
     for t in (1, 24):
         x, router, gate_up, down = moe_case(algo, statics, t, *MOE_SHAPE["cuda"], torch.bfloat16, device=CUDA, seed=t)
-        static_x = x.clone()
-        fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)         # compiled before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)
-        for seed in (1, 2, 3):
-            fresh = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
-            static_x.copy_(fresh.to(x.dtype))
-            graph.replay()
-            assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo)), (t, seed)
+        assert_replays_eagerly(lambda x: fused_moe(x, router, gate_up, down, 2, True, 0, algo), x.clone(), (1, 2, 3))
 
 
 
@@ -377,16 +382,8 @@ def test_tma_path_matches_float64_and_replays(algo, statics):
             out = fused_moe(x, router, gate_up, down, 2, True, first, algo, config=config)
             ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (block_m, t, routing, rel_err(out, ref))
-    static_x = x[:24].clone()
-    fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config)
-    for seed in (1, 2):
-        fresh = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
-        static_x.copy_(fresh.to(static_x.dtype))
-        graph.replay()
-        assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, config=config))
+    assert_replays_eagerly(lambda x: fused_moe(x, router, gate_up, down, 2, True, 0, algo, config=config),
+                           x[:24].clone())
 
 
 def test_tma_path_refuses_what_it_cannot_run():
@@ -448,17 +445,8 @@ def test_grouped_mm_path_matches_float64_and_replays(algo):
         out = fused_moe(x, router, gate_up, down, 2, True, first, algo, grouped_mm=True)
         ref = oracle_moe(x, router, gate_up, down, 2, True, algo, first)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (t, routing, rel_err(out, ref))
-    static_x = x[:24].clone()
-    fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, grouped_mm=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fused_moe(static_x, router, gate_up, down, 2, True, 0, algo, grouped_mm=True)
-    for seed in (1, 2):
-        fresh = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device=CUDA)
-        static_x.copy_(fresh.to(static_x.dtype))
-        graph.replay()
-        assert torch.equal(static_out, fused_moe(static_x, router, gate_up, down, 2, True, 0, algo,
-                                                 grouped_mm=True)), seed
+    assert_replays_eagerly(lambda x: fused_moe(x, router, gate_up, down, 2, True, 0, algo, grouped_mm=True),
+                           x[:24].clone())
 
 
 def test_grouped_mm_path_refuses_what_it_cannot_run():

@@ -354,6 +354,24 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, ENTRIES, BLOCK_M: tl.conste
     return expert, slots, entries, entries < ENTRIES
 
 
+@triton.jit
+def _store_act(gate, up, out, cols, INTER, act_scale_ptr, DTYPE: tl.constexpr, FP8_ACT: tl.constexpr):
+    """SiLU(gate)·up into the act rows at out (columns below INTER), gate and up rounded to DTYPE (the model's)
+    first, as reference.silu_and_mul reads them; FP8_ACT: act / act_scale in e4m3."""
+    act = silu_mul(gate.to(DTYPE), up.to(DTYPE))
+    if FP8_ACT:
+        act = tl.clamp(tl.math.div_rn(act.to(tl.float32), tl.load(act_scale_ptr)), -448.0, 448.0)
+    tl.store(out, act.to(out.dtype.element_ty), mask=(cols < INTER)[None, :])
+
+
+@triton.jit
+def _store_partials(acc, entries, valid, cols, N, weights_ptr, partial_ptr):
+    """The real entries' rows of acc times their routing weights into partial (T·k, N), columns below N."""
+    safe = tl.where(valid, entries, 0).to(tl.int64)
+    acc *= tl.load(weights_ptr + safe, mask=valid, other=0.0)[:, None]
+    tl.store(partial_ptr + safe[:, None] * N + cols[None, :], acc, mask=valid[:, None] & (cols < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["ENTRIES", "NUM_M"])
 def _gate_up_kernel(x_ptr, x_scale_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, z_ptr, act_ptr, act_scale_ptr,
                     ENTRIES, NUM_M, INTER, K, W_STRIDE, GROUPS, TOP_K: tl.constexpr, FORMAT: tl.constexpr,
@@ -392,10 +410,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_p
         a_scale = tl.load(x_scale_ptr + tokens)
     gate = _scaled(gate, a_total, a_scale, s_ptr, z_ptr, rows, GROUPS, FORMAT, GROUP, HAS_ZERO)
     up = _scaled(up, a_total, a_scale, s_ptr, z_ptr, rows + INTER, GROUPS, FORMAT, GROUP, HAS_ZERO)
-    act = silu_mul(gate.to(DTYPE), up.to(DTYPE))
-    if FP8_ACT:
-        act = tl.clamp(tl.math.div_rn(act.to(tl.float32), tl.load(act_scale_ptr)), -448.0, 448.0)
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+    _store_act(gate, up, out, cols, INTER, act_scale_ptr, DTYPE, FP8_ACT)
 
 
 @triton.jit(do_not_specialize=["ENTRIES", "NUM_M"])
@@ -429,9 +444,7 @@ def _down_kernel(act_ptr, act_scale_ptr, sorted_ptr, block_expert_ptr, weights_p
     if FORMAT == _FP8:
         a_scale = tl.load(act_scale_ptr + slots * ACT_SCALE_STRIDE)
     acc = _scaled(acc, a_total, a_scale, s_ptr, z_ptr, rows, GROUPS, FORMAT, GROUP, HAS_ZERO)
-    safe = tl.where(valid, entries, 0).to(tl.int64)
-    acc *= tl.load(weights_ptr + safe, mask=valid, other=0.0)[:, None]
-    tl.store(partial_ptr + safe[:, None] * N + cols[None, :], acc, mask=valid[:, None] & (cols < N)[None, :])
+    _store_partials(acc, entries, valid, cols, N, weights_ptr, partial_ptr)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -744,10 +757,7 @@ def _gate_up_tma_kernel(a_desc, a_scale_ptr, block_expert_ptr, w_desc, s_ptr, ac
         rows = expert.to(tl.int64) * 2 * INTER + tl.minimum(cols, INTER - 1)
         gate = gate * a_scale * tl.load(s_ptr + rows)[None, :]
         up = up * a_scale * tl.load(s_ptr + rows + INTER)[None, :]
-    act = silu_mul(gate.to(DTYPE), up.to(DTYPE))
-    if FP8_ACT:
-        act = tl.clamp(tl.math.div_rn(act.to(tl.float32), tl.load(act_scale_ptr)), -448.0, 448.0)
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+    _store_act(gate, up, out, cols, INTER, act_scale_ptr, DTYPE, FP8_ACT)
 
 
 @triton.jit(do_not_specialize=["ENTRIES", "NUM_M"])
@@ -770,9 +780,7 @@ def _down_tma_kernel(a_desc, a_scale_ptr, sorted_ptr, block_expert_ptr, weights_
     if FP8:
         rows = expert.to(tl.int64) * N + tl.minimum(cols, N - 1)
         acc = acc * tl.load(a_scale_ptr + slots * A_SCALE_STRIDE)[:, None] * tl.load(s_ptr + rows)[None, :]
-    safe = tl.where(valid, entries, 0).to(tl.int64)
-    acc *= tl.load(weights_ptr + safe, mask=valid, other=0.0)[:, None]
-    tl.store(partial_ptr + safe[:, None] * N + cols[None, :], acc, mask=valid[:, None] & (cols < N)[None, :])
+    _store_partials(acc, entries, valid, cols, N, weights_ptr, partial_ptr)
 
 
 def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
