@@ -23,7 +23,8 @@ GPU, torch and Triton versions and the measured copy and GEMM rates):
               the 8 and without adapters, and the adapter switch (an adapter in host memory put into a device slot)
   context_attention  causal prompt attention TFLOP/s at 1k..32k tokens, GQA 8:1, bf16 and FP8 caches (fp8q: FP8
               queries too, use_fp8_context_fmha): Kiln's kernel (a few tile choices) beside torch's SDPA flash
-              backend and varlen flash attention
+              backend and varlen flash attention; --context_seqs N attends N sequences of each length together,
+              as a prompt step does (--context_kv_heads 8: Llama-3.1-8B's GQA 4:1)
   fp8_decode  FP8 products of 1 and 8 rows (the 8B and 70B projections, the 8B LM head): torch._scaled_mm beside
               fp8_decode on the engine's tile and on the alternatives of FP8_DECODE_SWEEP, µs and TB/s of weights
   sparsity    2:4 sparse GEMMs (the runtime's cached cuSPARSELt plans, torch's semi-structured calls) beside dense,
@@ -603,7 +604,8 @@ CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stage
     "kiln_t64": (64, (4, 2), 64, False), "kiln_t64_split": (64, (4, 2), 64, True),
     "kiln_r128_t128_s2": (128, (8, 2), 128, True), "kiln_r256_t128": (128, (8, 3), 256, True),
     "kiln_r128_t64": (64, (4, 3), 128, True), "kiln_r128_t128_s4": (128, (8, 4), 128, True),
-    "kiln_r128_t64_w8": (64, (8, 3), 128, True),
+    "kiln_r128_t64_w8": (64, (8, 3), 128, True), "kiln_r64_t128": (128, (4, 2), 64, True),
+    "kiln_r128_t128_w4": (128, (4, 2), 128, True), "kiln_r64_t64": (64, (4, 3), 64, True),
 }
 
 
@@ -617,19 +619,19 @@ def context_attention(args):
 
     from kiln.kernels.triton.paged_attention import paged_attention
 
-    heads, kv_heads, dim, block = 32, args.context_kv_heads, 128, args.context_block
+    heads, kv_heads, dim, block, seqs = 32, args.context_kv_heads, 128, args.context_block, args.context_seqs
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         varlen_attn = None
     log("context_varlen_attn", varlen_attn is not None)
     for n in map(int, args.context_lengths.split(",")):
-        flops = 2 * n * n * heads * dim                                # causal: half of 4·N²·H·D
-        q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
-        blocks = torch.randperm(n // block, device="cuda")
-        cache = torch.randn(2, n // block, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-        tables, lens = blocks[None].clone(), torch.tensor([n], device="cuda")
-        starts = torch.tensor([0, n], device="cuda")
+        flops = 2 * n * n * heads * dim * seqs                         # causal: half of 4·N²·H·D a sequence
+        q = torch.randn(seqs * n, heads, dim, device="cuda", dtype=torch.bfloat16)
+        blocks = torch.randperm(seqs * n // block, device="cuda")
+        cache = torch.randn(2, seqs * n // block, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        tables, lens = blocks.reshape(seqs, -1).clone(), torch.full((seqs,), n, device="cuda")
+        starts = torch.arange(0, seqs * n + 1, n, device="cuda")
         scale = dim ** -0.5
         rate = lambda seconds: round(flops / seconds / 1e12, 1)  # noqa: E731
         with torch.inference_mode():
@@ -646,9 +648,9 @@ def context_attention(args):
                         log(f"context_{n}_{name}_{kv}_TFLOPs", rate(seconds))
                     except Exception as err:  # noqa: BLE001 - a variant that does not compile must not hide the rest
                         log(f"context_{n}_{name}_{kv}_error", repr(err)[:300])
-            k = cache[0][blocks].reshape(n, kv_heads, dim)       # the sequence's keys in order (block i: blocks[i])
-            v = cache[1][blocks].reshape(n, kv_heads, dim)
-            qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+            k = cache[0][blocks].reshape(seqs * n, kv_heads, dim)   # the sequences' keys in order (block i: blocks[i])
+            v = cache[1][blocks].reshape(seqs * n, kv_heads, dim)
+            qt, kt, vt = (x.reshape(seqs, n, -1, dim).transpose(1, 2) for x in (q, k, v))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 seconds = bench._cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(
                     qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True), 5)
@@ -715,6 +717,8 @@ def main():
                    help="prompt lengths of the context_attention phase")
     p.add_argument("--context_kv_heads", type=int, default=4, help="KV heads of the context_attention phase")
     p.add_argument("--context_block", type=int, default=64, help="cache block tokens of the context_attention phase")
+    p.add_argument("--context_seqs", type=int, default=1,
+                   help="sequences of each length the context_attention phase attends together (a prompt step's)")
     p.add_argument("--context_variants", default=",".join(CONTEXT_VARIANTS),
                    help=f"the context_attention phase's kernel variants, of {', '.join(CONTEXT_VARIANTS)}")
     p.add_argument("--sparsity_sweep", action="store_true",

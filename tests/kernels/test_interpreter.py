@@ -15,14 +15,12 @@ from conftest import INTERPRETING
 HERE = Path(__file__).parent
 
 
-def _interpreted(*files: str, keyword: str | None = None) -> None:
-    """The interpreter cases of `files` (of this directory; those named by `keyword` where given) in a fresh
-    process."""
+def _interpreted(*files: str) -> None:
+    """The interpreter cases of `files` (of this directory) in a fresh process."""
     pytest.importorskip("triton")
     if INTERPRETING:
         pytest.skip("already interpreted")
-    select = ["-m", "interpreter"] + (["-k", keyword] if keyword else [])
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreter",
                            *(str(HERE / f) for f in files)],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -39,12 +37,7 @@ def test_quantized_layers_attention_norms_and_argmax():
 
 @pytest.mark.slow
 def test_fused_moe():
-    _interpreted("test_fused_moe.py", keyword="not in_a_model")
-
-
-@pytest.mark.slow
-def test_fused_moe_in_a_model():
-    _interpreted("test_fused_moe.py", keyword="in_a_model")
+    _interpreted("test_fused_moe.py")
 
 
 def test_lora_products():

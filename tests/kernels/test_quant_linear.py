@@ -308,7 +308,7 @@ def test_interpreted_fused_decode_gives_the_reference_tokens(gemv_products, tiny
     for ops in (ReferenceOps(), GemvOps()):
         monkeypatch.setattr(model_runner, "select_ops", lambda *args, ops=ops: ops)
         with LLM(model, build_config=build, device="cpu", quiet=True) as llm:
-            params = SamplingConfig(max_new_tokens=6, end_id=-1)
+            params = SamplingConfig(max_new_tokens=4, end_id=-1)
             tokens[ops.name, "batch"] = [o.token_ids for o in llm.generate(prompts, params)]
             tokens[ops.name, "single"] = llm.generate(prompts[1], params).token_ids
     assert tokens["reference", "batch"] == tokens["gemv", "batch"]
