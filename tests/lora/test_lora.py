@@ -139,7 +139,7 @@ def test_adapters_stored_with_the_engine_are_served_by_name(tiny_models, adapter
 
 
 @pytest.mark.slow
-def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_path, smollm2_hf, tmp_path):
+def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_model, smollm2_hf, tmp_path):
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -151,7 +151,7 @@ def test_smollm2_adapter_gives_the_tokens_of_transformers_and_peft(smollm2_path,
     prompt = tokenizer.encode("The capital of France is")
     expected = hf_greedy(peft_model, prompt, 8)
     assert expected != hf_greedy(model, prompt, 8)
-    with LLM(smollm2_path, build_config=BuildConfig(**BUILD), quiet=True, device="cpu") as llm:
+    with LLM(smollm2_model, build_config=BuildConfig(**BUILD), quiet=True, device="cpu") as llm:
         assert llm.generate(prompt, SamplingConfig(max_new_tokens=8, end_id=-1),
                             lora_request=LoRARequest("smol", tmp_path / "smol")).token_ids == expected
 
