@@ -282,6 +282,32 @@ def test_budgets_are_respected():
     check_outputs(requests)
 
 
+def test_decodes_lead_every_step():
+    """The sequences decoding one token come before every prompt chunk of a step: the runner sends a step's leading
+    one-token sequences to the decode attention kernels (AttentionMetadata.decode_seqs), the rest to the prompt
+    kernel."""
+    for reuse, policy in ((False, SchedulerPolicy.GUARANTEED_NO_EVICT), (True, SchedulerPolicy.MAX_UTILIZATION)):
+        scheduler, runner = make_engine(num_blocks=150, max_batch_size=12, max_num_tokens=200, reuse=reuse,
+                                        chunked=True, policy=policy)
+        requests = random_requests(60, seed=8, max_prompt=250, max_new=30)
+        arrivals = {step: requests[i:i + 3] for step, i in enumerate(range(0, len(requests), 3))}
+        mixed = 0
+        for step in range(20000):
+            for request in arrivals.pop(step, []):
+                scheduler.add_request(request)
+            if not scheduler.has_unfinished() and not arrivals:
+                break
+            out = scheduler.schedule()
+            decodes = [n == 1 and seq.num_output_tokens > 0 for _, seq, n in out.scheduled]
+            first_prompt = next((i for i, (_, _, n) in enumerate(out.scheduled) if n > 1), len(decodes))
+            assert not any(decodes[first_prompt:]), f"step {step}: a decode after a prompt chunk"
+            mixed += any(decodes) and first_prompt < len(decodes)
+            if out:
+                scheduler.update(out, runner.execute(out))
+        assert mixed > 10
+        check_outputs(requests)
+
+
 def test_reservations_summed_once_a_step_match_a_fresh_sum():
     """GUARANTEED_NO_EVICT sums the running requests' reserved blocks once a step and adds each admitted request's:
     at every admission that total equals the sum over the running requests at that moment (several admissions a
