@@ -187,12 +187,15 @@ def _throughput(args, key: str, input_len: int, output_len: int, num: int, max_b
     """Output tok/s (and latencies, steps, memory) of `num` requests submitted at once, overlapped steps."""
     with _ready_llm(args, key, "throughput", input_len, output_len, max_batch, quant, enable_trt_overlap=True) as llm:
         vocab = llm.engine.pretrained_config.vocab_size
+        start = time.perf_counter()
         bench.warm_up(llm, input_len, output_len, vocab, max_batch, num)
         torch.cuda.synchronize()
+        log(f"{key}_warm_up_s", round(time.perf_counter() - start, 1))    # a run takes engine + warm-up + measured
         outputs, elapsed = bench.run_requests(llm, bench.random_prompts(num, input_len, vocab), output_len)
         result = bench.summarize("throughput", args.model, "bfloat16", outputs, elapsed, input_len, output_len)
         bench.throughput_limit_pct(result, llm.engine, args.hw)
         log(f"{key}_out_tok_s", round(result.output_tok_s, 1))
+        log(f"{key}_measured_s", round(elapsed, 1))
         log(f"{key}_pct_of_gemm_limit", round(result.hardware_limit_pct or 0, 1))
         log(f"{key}_ttft_p50_ms", round(result.ttft_ms.get("p50", 0), 1))
         log(f"{key}_tpot_p50_ms", round(result.tpot_ms.get("p50", 0), 2))
