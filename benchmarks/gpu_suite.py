@@ -614,10 +614,11 @@ CONTEXT_VARIANTS = {    # Kiln's prompt attention: (keys per tile, (warps, stage
 
 @phase
 def context_attention(args):
-    """Causal prompt attention TFLOP/s, one sequence of 1k..32k tokens, 32 query heads over --context_kv_heads KV
-    heads (4: GQA 8:1; Llama-3.1-8B has 8) of 128 in cache blocks of --context_block tokens: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8 caches, and FP8 queries over the FP8
-    cache) beside torch's SDPA flash backend on contiguous q/k/v, and torch's varlen flash attention over the same
-    paged cache where this torch has it."""
+    """Causal prompt attention TFLOP/s, --context_seqs sequences (default one) of each of --context_lengths tokens
+    attended together, 32 query heads over --context_kv_heads KV heads (4: GQA 8:1; Llama-3.1-8B has 8) of 128 in
+    cache blocks of --context_block tokens: Kiln's paged kernel (variants of tuning.py's choices; bf16 and FP8
+    caches, and FP8 queries over the FP8 cache) beside torch's SDPA flash backend on contiguous q/k/v, and torch's
+    varlen flash attention over the same paged cache where this torch has it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kiln.kernels.triton.paged_attention import paged_attention

@@ -90,8 +90,10 @@ def make_engine(num_blocks=400, tokens_per_block=16, max_batch_size=8, max_num_t
     return Scheduler(kv, max_batch_size, max_num_tokens, policy, chunked), FakeRunner(kv)
 
 
-def run(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]] | None = None, max_steps=20000):
-    """Step until everything finished; `arrivals` adds requests before the given step numbers."""
+def run(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]] | None = None, max_steps=20000,
+        each_step=None):
+    """Step until everything finished; `arrivals` adds requests before the given step numbers; each_step(step, out)
+    sees every scheduled step before it runs."""
     arrivals = dict(arrivals or {})
     for step in range(max_steps):
         for request in arrivals.pop(step, []):
@@ -99,6 +101,8 @@ def run(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Reque
         if not scheduler.has_unfinished() and not arrivals:
             return step
         out = scheduler.schedule()
+        if each_step is not None:
+            each_step(step, out)
         assert len(scheduler.running) <= scheduler.max_batch_size
         assert out.num_tokens <= scheduler.max_num_tokens
         runner.max_running = max(runner.max_running, len(scheduler.running))
@@ -290,21 +294,17 @@ def test_decodes_lead_every_step():
         scheduler, runner = make_engine(num_blocks=150, max_batch_size=12, max_num_tokens=200, reuse=reuse,
                                         chunked=True, policy=policy)
         requests = random_requests(60, seed=8, max_prompt=250, max_new=30)
-        arrivals = {step: requests[i:i + 3] for step, i in enumerate(range(0, len(requests), 3))}
-        mixed = 0
-        for step in range(20000):
-            for request in arrivals.pop(step, []):
-                scheduler.add_request(request)
-            if not scheduler.has_unfinished() and not arrivals:
-                break
-            out = scheduler.schedule()
+        mixed = []
+
+        def check(step, out):
             decodes = [n == 1 and seq.num_output_tokens > 0 for _, seq, n in out.scheduled]
             first_prompt = next((i for i, (_, _, n) in enumerate(out.scheduled) if n > 1), len(decodes))
             assert not any(decodes[first_prompt:]), f"step {step}: a decode after a prompt chunk"
-            mixed += any(decodes) and first_prompt < len(decodes)
-            if out:
-                scheduler.update(out, runner.execute(out))
-        assert mixed > 10
+            mixed.append(any(decodes) and first_prompt < len(decodes))
+
+        run(scheduler, runner, {step: requests[i:i + 3] for step, i in enumerate(range(0, len(requests), 3))},
+            each_step=check)
+        assert sum(mixed) > 10
         check_outputs(requests)
 
 
